@@ -1,0 +1,57 @@
+"""Pure-torch paged attention and KV-cache write: the truth every other backend is tested against.
+
+Cache layout per layer: key_cache, value_cache = [num_blocks, block_size, num_kv_heads, head_dim].
+Written for clarity, not speed: one sequence at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, KVH, D] into the caches at slot_mapping [T] (slot < 0: skip, a padding token)."""
+    block_size = key_cache.shape[1]
+    for t in range(key.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        key_cache[slot // block_size, slot % block_size] = key[t]
+        value_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached positions of one sequence: [seq_len, KVH, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, KVH, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of packed varlen queries [T, H, D] over each sequence's cached context.
+
+    The q_len queries of sequence i are its last q_len positions, so query j (0-based) sits at position
+    seq_len - q_len + j and attends to positions 0..that. Computed in float32; returns query's dtype.
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i in range(seq_lens.shape[0]):
+        q_start, q_end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        q_len, seq_len = q_end - q_start, int(seq_lens[i])
+        if q_len == 0:
+            continue
+        q = query[q_start:q_end].float()  # [q, H, D]
+        k = gather_context(key_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        v = gather_context(value_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -1,0 +1,111 @@
+"""Vectorized torch paged attention: the CPU default backend (the reference is too slow to serve with).
+
+Decode-only sequences (one query token each) are batched into one padded, grouped matmul: on CPU the per-sequence
+Python loop and its small SDPA calls cost more than the arithmetic. Sequences with a prefill chunk (q_len > 1)
+still go one at a time through SDPA with a causal mask, since their shapes differ too much to pad cheaply.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, KVH, D] into the caches at slot_mapping [T]; slot < 0 is a padding token."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid]
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
+
+
+def _gather_padded(cache: torch.Tensor, tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The first max_len positions of each row's blocks: [B, max_len, KVH, D] (tail past seq_len is junk)."""
+    block_size = cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    return cache[tables[:, :num_blocks]].flatten(1, 2)[:, :max_len]
+
+
+def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens_list: list[int], scale: float) -> torch.Tensor:
+    """Attention for B single-token queries [B, H, D] at once; returns [B, H, D] in query's dtype."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    max_len = max(seq_lens_list)
+    num_blocks = (max_len + block_size - 1) // block_size
+    lens = torch.tensor(seq_lens_list, dtype=torch.long, device=query.device)
+    # Table entries past a sequence's last block may be stale or padding: point them at block 0 so the
+    # gather stays in bounds; the positions they yield are masked out below.
+    tables = block_tables[:, :num_blocks].long()
+    used = (lens + block_size - 1) // block_size
+    cols = torch.arange(num_blocks, device=query.device)
+    tables = torch.where(cols.unsqueeze(0) < used.unsqueeze(1), tables, torch.zeros_like(tables))
+    # Compute in at least fp32 like the reference (bf16 matmuls are also very slow on CPU).
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    k = _gather_padded(key_cache, tables, max_len).to(dtype).permute(0, 2, 3, 1)  # [B, KVH, D, S]
+    v = _gather_padded(value_cache, tables, max_len).to(dtype).transpose(1, 2)  # [B, KVH, S, D]
+    # Query heads h = kvh * group + g share kv head kvh (the reference's repeat_interleave order).
+    q = query.reshape(batch, num_kv_heads, group, head_dim).to(dtype)
+    scores = torch.matmul(q, k) * scale  # [B, KVH, G, S]
+    pad = torch.arange(max_len, device=query.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, S]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's q_len queries [q, H, D] over its context; returns [q, H, D]."""
+    q_len = query.shape[0]
+    block_size = key_cache.shape[1]
+    group = query.shape[1] // key_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    table = table[:num_blocks].long()
+    k = key_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KVH, S, D]
+    v = value_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
+    q = query.transpose(0, 1)  # [H, q, D]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+    mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
+    o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                       scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, seq_lens_list: list[int] | None = None,
+                    query_lens_list: list[int] | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_attention; the *_list args spare a device sync when given."""
+    if seq_lens_list is None:
+        seq_lens_list = seq_lens.tolist()
+    if query_lens_list is None:
+        query_lens_list = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    out = torch.empty_like(query)
+    starts = [0] * len(query_lens_list)
+    for i in range(1, len(query_lens_list)):
+        starts[i] = starts[i - 1] + query_lens_list[i - 1]
+    decode = [i for i, q_len in enumerate(query_lens_list) if q_len == 1]
+    if len(decode) == len(query_lens_list) and decode:
+        # Pure decode step: query rows are already the batch, in order.
+        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale))
+        return out
+    if len(decode) > 1:
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=query.device)
+        index = torch.tensor(decode, dtype=torch.long, device=query.device)
+        out[rows] = _decode_batch(query[rows], key_cache, value_cache, block_tables[index],
+                                  [seq_lens_list[i] for i in decode], scale)
+        decode_set = set(decode)
+    else:
+        decode_set = set()
+    for i, (q_len, seq_len) in enumerate(zip(query_lens_list, seq_lens_list)):
+        if q_len == 0 or i in decode_set:
+            continue
+        start = starts[i]
+        out[start:start + q_len] = _prefill_one(query[start:start + q_len], key_cache, value_cache,
+                                                block_tables[i], seq_len, scale)
+    return out

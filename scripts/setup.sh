@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv with CPU torch, the project (editable), dev tools, and the default model.
+# Fast when already done: every step checks before it acts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.conveyor-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi
+if [ "${CONVEYOR_SKIP_MODEL:-0}" != "1" ]; then
+  .venv/bin/conveyor model pull smollm2
+fi

@@ -1,0 +1,152 @@
+"""AsyncEngine: one background thread steps the engine; each request is an async stream of deltas."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from conveyor.serving.config import EngineConfig
+from conveyor.serving.engine import LLMEngine
+from conveyor.serving.outputs import EngineStepStats, RequestOutput
+from conveyor.serving.request import Request, SamplingParams
+from conveyor.serving.scheduler import QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot for routing and autoscaling; read without locks, so it may be one step stale."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def load(self) -> EngineLoad:
+        sched = self.engine.scheduler
+        return EngineLoad(sched.num_waiting, sched.num_running, self.engine.kv_cache.usage)
+
+    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None:
+        """fn runs on the engine thread after every step: keep it cheap (metrics, not I/O)."""
+        self._step_listeners.append(fn)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Closing the iterator early (client gone) aborts the request.
+
+        Raises ValueError for bad input and QueueFullError when the waiting queue is at its bound, both
+        before the first output, so a server can still answer with a status code.
+        """
+        request = self.engine.make_request(prompt, params, request_id)
+        self._check_queue_room(request)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    def _check_queue_room(self, request: Request) -> None:
+        config = self.engine.config.scheduler
+        if self.engine.scheduler.num_waiting + self._commands.qsize() >= config.max_waiting_requests:
+            raise QueueFullError("waiting queue full")
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                block = not self.engine.has_unfinished()
+                self._drain_commands(block)
+                if self.engine.has_unfinished():
+                    outputs, stats = self.engine.step()
+                    self._deliver(outputs)
+                    for listener in self._step_listeners:
+                        listener(stats, outputs)
+            except Exception as exc:  # keep serving: fail the live streams rather than dying silently
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, arg) -> None:  # noqa: ANN001
+        if kind == "add":
+            if arg.request_id not in self._streams:
+                return  # the consumer left before the engine saw the request
+            try:
+                self.engine.add_request(arg)
+            except (ValueError, QueueFullError) as exc:
+                self._post(arg.request_id, exc)
+        elif kind == "abort":
+            self.engine.abort_requests([arg])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._post(output.request_id, output)
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        live = list(self._streams)
+        self.engine.abort_requests(live)
+        for rid in live:
+            self._post(rid, RuntimeError(f"engine step failed: {exc}"))

@@ -1,0 +1,52 @@
+"""Per-step attention metadata and the attention layer that reads it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one packed, variable-length step (prefill chunks and decodes together).
+
+    Tokens of sequence i occupy rows query_start_loc[i]:query_start_loc[i+1] of the packed batch, and are the
+    last (query_start_loc[i+1] - query_start_loc[i]) positions of its context of seq_lens[i] tokens.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset for each new token
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length including this step's tokens
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends that loop over sequences need no device sync.
+    seq_lens_list: list[int] | None = None
+    query_lens_list: list[int] | None = None
+
+
+class PagedAttention(torch.nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, H*D], key/value [T, KVH*D] -> output [T, H*D]; writes key/value into kv_cache first."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        ops.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=self.backend)
+        out = ops.paged_attention(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            seq_lens_list=meta.seq_lens_list, query_lens_list=meta.query_lens_list, backend=self.backend)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

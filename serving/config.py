@@ -1,0 +1,63 @@
+"""Engine configuration: frozen dataclasses, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly one sizing rule applies: an explicit block count, a byte budget, or a fraction of free memory.
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_fraction: float = 0.25
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # Bounded admission: past these the engine raises QueueFullError (HTTP 429 upstream).
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 20
+    # "continuous" (iteration-level) or "static" (the baseline: a batch runs until its longest member ends).
+    scheduling: str = "continuous"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton", "cuda", "flash"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

@@ -1,0 +1,157 @@
+"""Incremental detokenization with streaming-safe stop strings.
+
+Decoding a token alone is wrong for two reasons: a multi-byte UTF-8 character may be split over several
+(byte-fallback or byte-level) tokens, and decoders treat the first token of a sequence specially
+(SentencePiece drops the "▁" space of the first piece). So, like vLLM, we decode a small window
+tokens[prefix_offset:] and emit only what it adds over tokens[prefix_offset:read_offset], and only once
+it no longer ends in an incomplete character ("\ufffd"). Both windows are a handful of tokens, so the
+work per token does not grow with the length of the output.
+
+Stop strings: text that could still turn out to be the start of a stop string is held back, so a
+streaming client never receives text that is later cut, and the deltas always concatenate to `text`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens kept as left context for the first output token (vLLM uses the same).
+_INITIAL_CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes and every real token carries at least one, so more pending tokens
+# than this that still decode to a trailing "\ufffd" mean invalid bytes, not an incomplete character.
+_MAX_PENDING_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._include_stop = include_stop_str_in_output
+        self._skip_special = skip_special_tokens
+        self._num_prompt = len(prompt_token_ids)
+        # Only the prompt tail is needed as decode context; keep the rest of the prompt out of our list.
+        context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._held = ""  # decoded, not yet emitted: could be the start of a stop string
+        self._chunks: list[str] = []  # emitted deltas; joined lazily into `text`
+        self._text_cache = ""
+        self._text_cache_chunks = 0
+        self.output_token_ids: list[int] = []
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenation of every delta returned)."""
+        if self._text_cache_chunks != len(self._chunks):
+            self._text_cache = "".join(self._chunks)
+            self._text_cache_chunks = len(self._chunks)
+        return self._text_cache
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add generated tokens; return the text delta that is safe to emit now ("" once stopped)."""
+        self.output_token_ids.extend(new_token_ids)
+        if self.stopped:
+            return ""
+        decoded: list[str] = []
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            decoded.append(self._decode_step(force=False))
+        return self._emit("".join(decoded), final=False)
+
+    def flush(self) -> str:
+        """At finish: emit what was held back (an incomplete character, a stop-string prefix)."""
+        if self.stopped:
+            return ""
+        return self._emit(self._decode_step(force=True), final=True)
+
+    # -- decoding ---------------------------------------------------------------------------------
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+
+    def _decode_step(self, force: bool) -> str:
+        """The text tokens[read_offset:] add to the window, or "" while it ends mid-character."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset)
+        if len(new_text) <= len(prefix_text):
+            return ""  # e.g. a skipped special token: keep it pending, it adds no text
+        if not new_text.endswith(_REPLACEMENT) or force:
+            return self._advance(len(self._ids), prefix_text, new_text)
+        if len(self._ids) - self._read_offset > _MAX_PENDING_TOKENS:
+            return self._advance_past_invalid_bytes(prefix_text, new_text)
+        return ""
+
+    def _advance(self, read_end: int, prefix_text: str, text: str) -> str:
+        # The new window starts at the old read point so the next token still has left context.
+        self._prefix_offset, self._read_offset = self._read_offset, read_end
+        self._trim_ids()
+        return text[len(prefix_text):]
+
+    def _advance_past_invalid_bytes(self, prefix_text: str, new_text: str) -> str:
+        """Emit up to the last token boundary whose text is final, so garbage bytes cannot grow the window.
+
+        The text of tokens[prefix_offset:end] is final when the full window's text starts with it and
+        goes on past it: a trailing "\ufffd" there is then an invalid byte, not a character cut short.
+        """
+        for end in range(len(self._ids) - 1, self._read_offset, -1):
+            text = self._decode(self._prefix_offset, end)
+            if len(text) > len(prefix_text) and len(new_text) > len(text) and new_text.startswith(text):
+                return self._advance(end, prefix_text, text)
+        return ""
+
+    def _trim_ids(self) -> None:
+        # Tokens before prefix_offset are never decoded again; drop them so memory stays O(window).
+        if self._prefix_offset > 64:
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    # -- stop strings -----------------------------------------------------------------------------
+
+    def _emit(self, delta: str, final: bool) -> str:
+        """Run new text through the stop-string check; return what may be sent to the client."""
+        buf = self._held + delta
+        if not self._stop:
+            self._held = ""
+            return self._send(buf)
+        # Held text is exactly what could start a stop string, so a match can only begin inside `buf`.
+        match = _earliest_stop(buf, self._stop)
+        if match is not None:
+            start, stop_str = match
+            self.stopped = True
+            self._held = ""
+            return self._send(buf[:start + len(stop_str)] if self._include_stop else buf[:start])
+        keep = 0 if final else _longest_stop_prefix_suffix(buf, self._stop)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return self._send(buf[:len(buf) - keep])
+
+    def _send(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+
+def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """(start, stop string) of the leftmost stop-string occurrence in `text`; the longest wins a tie."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0 and (best is None or start < best[0] or (start == best[0] and len(stop) > len(best[1]))):
+            best = (start, stop)
+    return best
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

@@ -1,0 +1,150 @@
+"""LLMEngine: the synchronous core. add_request / abort / step."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from conveyor.kernels import ops
+from conveyor.serving.config import EngineConfig
+from conveyor.serving.detokenizer import IncrementalDetokenizer
+from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
+from conveyor.serving.memory import block_bytes, num_kv_blocks
+from conveyor.serving.model_runner import ModelRunner
+from conveyor.serving.models.loader import load_model
+from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
+from conveyor.serving.request import Request, RequestStatus, SamplingParams
+from conveyor.serving.scheduler import Scheduler
+from conveyor.serving.static_scheduler import StaticScheduler
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    if dtype == "auto":
+        # bf16 matmuls are unusably slow on CPUs without AVX-512 BF16: fp32 there.
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    try:
+        return dev, getattr(torch, dtype)
+    except AttributeError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
+        torch.manual_seed(config.model.seed)
+        self.attention_backend = ops.resolve_backend(config.attention_backend, self.device)
+        self.model, self.hf_config, self.tokenizer = load_model(
+            config.model.model, self.dtype, self.device, self.attention_backend)
+        hf = self.hf_config
+        context_len = getattr(hf, "max_position_embeddings", 2048)
+        self.max_model_len = min(config.model.max_model_len or context_len, context_len)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        block_size = config.cache.block_size
+        per_block = block_bytes(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim, self.dtype)
+        num_blocks = num_kv_blocks(config.cache, per_block, self.device)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        scheduler_cls = StaticScheduler if config.scheduler.scheduling == "static" else Scheduler
+        self.scheduler = scheduler_cls(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim,
+                                  num_blocks, block_size, self.device, self.dtype)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
+                    config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
+                    num_blocks * block_size)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError for input the engine can never serve."""
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab_size = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens; this model's context is {self.max_model_len} "
+                             "tokens and at least one must be left to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                             f"context of {self.max_model_len} tokens")
+        capacity = self.kv_cache.max_tokens_ever()
+        if cdiv(num_prompt + max_tokens, self.kv_cache.block_size) > self.kv_cache.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({num_prompt + max_tokens} tokens) can never fit this "
+                             f"replica's KV cache of {capacity} tokens")
+        return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_id=self.eos_token_id,
+                       max_tokens=max_tokens)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request made by make_request; raises QueueFullError past the waiting bound."""
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.scheduler.add_request(request)
+        params = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._detokenizers.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], EngineStepStats]:
+        start = time.perf_counter()
+        queries, hits = self.kv_cache.num_prefix_queries, self.kv_cache.num_prefix_hits
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        updated = self.scheduler.update(sched, runner_out)
+        now = time.monotonic()
+        outputs = [self._output_for(request, runner_out.sampled[request.request_id], now) for request in updated]
+        num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
+        stats = EngineStepStats(
+            step_time_s=time.perf_counter() - start, num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_prefill_tokens=num_prefill, num_decode_tokens=sched.num_scheduled_tokens - num_prefill,
+            batch_size=len(sched.chunks), num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=len(sched.preempted_ids),
+            num_prefix_cache_queries=self.kv_cache.num_prefix_queries - queries,
+            num_prefix_cache_hits=self.kv_cache.num_prefix_hits - hits)
+        return outputs, stats
+
+    def _output_for(self, request: Request, sampled: SampledToken, now: float) -> RequestOutput:
+        rid = request.request_id
+        if request.first_token_time is None:
+            request.first_token_time = now
+        detok = self._detokenizers[rid]
+        delta = detok.update([sampled.token_id])
+        if detok.stopped and not request.is_finished:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            delta += detok.flush()
+            del self._detokenizers[rid]
+        return RequestOutput(
+            request_id=rid, delta_text=delta, delta_token_ids=[sampled.token_id], text=detok.text,
+            token_ids=request.output_token_ids, num_prompt_tokens=request.num_prompt_tokens,
+            finished=request.is_finished, finish_reason=request.status.finish_reason,
+            delta_logprobs=[sampled] if request.sampling_params.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens, arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time)

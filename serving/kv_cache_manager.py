@@ -1,0 +1,136 @@
+"""Per-request block tables on top of the block pool. No torch here."""
+from __future__ import annotations
+
+from conveyor.serving.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block
+from conveyor.serving.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}
+        # Chained hashes of each live request's full blocks; tokens never change, so they survive preemption.
+        self._hashes: dict[str, list[int]] = {}
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def max_tokens_ever(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            tokens = tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of full blocks, leaving at least one token to compute (for its logits)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        num_full = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, num_full)
+        hits: list[KVBlock] = []
+        parent = ROOT_HASH
+        for i, block_hash in enumerate(hashes[:num_full]):
+            tokens = tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            block = self.pool.lookup(block_hash, parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block_hash
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[KVBlock] | None = None) -> bool:
+        return self._num_blocks_short(request, num_new_tokens, new_computed_blocks or []) <= 0
+
+    def _num_blocks_short(self, request: Request, num_new_tokens: int, computed: list[KVBlock]) -> int:
+        held = self.block_tables.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(held) - len(computed)
+        # Cached blocks found by a prefix hit that sit in the free queue leave it when we take them.
+        num_taken_from_free = sum(1 for b in computed if b.ref_count == 0)
+        return num_new_blocks - (self.pool.num_free_blocks - num_taken_from_free)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
+        """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed."""
+        computed = new_computed_blocks or []
+        if self._num_blocks_short(request, num_new_tokens, computed) > 0:
+            return None
+        table = self.block_tables.setdefault(request.request_id, [])
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+            self._num_registered[request.request_id] = len(table)
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(table)
+        if num_new_blocks > 0:
+            table.extend(self.pool.allocate(num_new_blocks))
+        return [b.block_id for b in table]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that became full with computed tokens, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            tokens = tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            self.pool.register(table[i], hashes[i], parent, tokens)
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request, forget_hashes: bool = True) -> None:
+        table = self.block_tables.pop(request.request_id, [])
+        self.pool.free(reversed(table))
+        self._num_registered.pop(request.request_id, None)
+        if forget_hashes:
+            self._hashes.pop(request.request_id, None)
+
+    def check_invariants(self, live_request_ids: set[str]) -> None:
+        """Every block free xor owned; ref counts equal the number of tables holding the block."""
+        owners: dict[int, int] = {}
+        for rid, table in self.block_tables.items():
+            if rid not in live_request_ids:
+                raise AssertionError(f"request {rid} holds blocks but is not live")
+            for block in table:
+                owners[block.block_id] = owners.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            expected = owners.get(block.block_id, 0)
+            if block.ref_count != expected:
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} != owners {expected}")
+            if (expected == 0) != self.pool.is_free(block):
+                raise AssertionError(f"block {block.block_id}: free={self.pool.is_free(block)} owners={expected}")

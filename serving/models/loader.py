@@ -1,0 +1,86 @@
+"""Model name -> local HF safetensors dir -> our LlamaForCausalLM with weights, config and tokenizer."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from conveyor.serving.models.hub import (
+    SMOLLM2_ALIASES,
+    cache_dir,
+    convert_gguf,
+    gguf_cache_dir,
+    log,
+    pull_model,
+)
+from conveyor.serving.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = ["cache_dir", "pull_model", "resolve_model_path", "load_model", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+            and any((path / f).is_file() for f in _TOKENIZER_FILES))
+
+
+def resolve_model_path(model: str) -> Path:
+    """"smollm2" (alias) -> cached dir (pulled if missing); HF dir -> itself; .gguf file -> converted dir."""
+    if model.lower() in SMOLLM2_ALIASES:
+        return pull_model(model)
+    path = Path(model).expanduser()
+    if _is_hf_dir(path):
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path.resolve(), gguf_cache_dir(path))
+    if path.is_dir():
+        raise ValueError(f"{path} is not a usable model dir: it needs config.json, *.safetensors and "
+                         f"tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    raise ValueError(f"unknown model {model!r}: expected one of {SMOLLM2_ALIASES}, a local HF safetensors "
+                     "dir, or a local .gguf file (hub ids are not supported: there is no hub access)")
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from every shard, one tensor at a time, so peak memory stays ~one model."""
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                yield name, f.get_tensor(name)
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device,
+                attention_backend: str = "torch") -> LlamaForCausalLM:
+    """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention_backend=attention_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.model.rotary_emb.reset_tables()  # to_empty leaves buffers as garbage
+    return model
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
+               ) -> tuple[LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
+    """Resolve, build, stream the weights in; the model is in eval mode with gradients off."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {config.model_type!r} ({getattr(config, 'architectures', '')})"
+                         f"; supported model_type: {SUPPORTED_MODEL_TYPES}")
+    net = build_model(config, dtype, torch.device(device), attention_backend)
+    net.load_weights(iter_safetensors(path))
+    net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    log(f"loaded {path.name} ({config.model_type}, {dtype}, {device}) in {time.perf_counter() - start:.2f}s")
+    return net, config, tokenizer

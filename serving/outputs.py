@@ -1,0 +1,90 @@
+"""Records passed between scheduler, model runner and engine. No torch here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.serving.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + num_tokens) of its prompt+output."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """A token is sampled only when the chunk reaches the request's last known token."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.end < self.request.num_tokens or self.start < self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the last step: the runner drops their per-request state (seeded generators).
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStepStats:
+    step_time_s: float = 0.0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    batch_size: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta for streaming plus the totals so far."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # the request's output so far: a live list, copy it to keep a snapshot
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    delta_logprobs: list[SampledToken] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

@@ -1,0 +1,160 @@
+"""Token sampling for one engine step.
+
+Greedy, temperature, top-k, top-p, min-p and logprobs over a batch of logits rows. Seeded rows draw
+with their own generator, one row at a time, so a seeded request's tokens do not depend on its batch
+neighbours or its row position; everything else is vectorized across rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from conveyor.serving.outputs import SampledToken
+from conveyor.serving.request import SamplingParams
+
+# Exponential draws can be exactly 0; dividing by it would give inf (or nan for zero-prob tokens).
+_MIN_EXP_DRAW = 1e-20
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator; it must live on the device the logits are on."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        # Unseeded rows share one generator per device; `seed` makes a whole run reproducible (tests).
+        self._seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[SampledToken]:
+        """Sample one token per row of `logits` [N, vocab]; params[i] and generators[i] belong to row i."""
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, "
+                             f"{len(generators)} generators")
+        if not params:
+            return []
+        logits = logits.float()
+        # Greedy rows (and the all-greedy fast path) need only an argmax: no softmax, no sort.
+        tokens = logits.argmax(dim=-1)
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            if len(sample_rows) == len(params):
+                tokens = self._sample(logits, params, generators)
+            else:
+                rows = torch.tensor(sample_rows, device=logits.device)
+                tokens[rows] = self._sample(logits.index_select(0, rows),
+                                            [params[i] for i in sample_rows],
+                                            [generators[i] for i in sample_rows])
+        return _to_outputs(logits, tokens, params)
+
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._default_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._default_generators[device] = generator
+        return generator
+
+    def _sample(self, logits: Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> Tensor:
+        """Draw one token per row; every row here has temperature > 0. Never mutates `logits`."""
+        device, vocab = logits.device, logits.shape[-1]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scaled = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            scaled = _apply_min_p(scaled, min_p)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        need_top_k = any(k < vocab for k in top_k)
+        need_top_p = any(p.top_p < 1.0 for p in params)
+        if need_top_k or need_top_p:
+            k = torch.tensor(top_k, device=device) if need_top_k else None
+            p = (torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+                 if need_top_p else None)
+            scaled = _apply_top_k_top_p(scaled, k, p)
+        probs = torch.softmax(scaled, dim=-1)
+        return self._exponential_race(probs, generators)
+
+    def _exponential_race(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+        """argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (the Gumbel-max trick).
+
+        Unseeded rows share one vectorized draw; each seeded row draws exactly `vocab` numbers from its
+        own generator, so its stream is the same whatever else is in the batch.
+        """
+        q = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            q.exponential_(generator=self.default_generator(probs.device))
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                q[row].exponential_(generator=generator)
+        return probs.div_(q.clamp_min_(_MIN_EXP_DRAW)).argmax(dim=-1)
+
+
+def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p * (the row's top probability); min_p=0 drops none."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Top-k then top-p (on the top-k renormalized distribution) with one descending sort for all rows.
+
+    Rows that disable a filter carry k = vocab / p = 1.0 and come out unchanged.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix reaching top_p; the first token always survives (mass_before = 0).
+        # Rows with top_p = 1 are excluded explicitly: cumsum rounding could otherwise clip their tail.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _to_outputs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]) -> list[SampledToken]:
+    """Build SampledTokens with a single device->host transfer for the whole step."""
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not lp_rows:
+        return [SampledToken(token_id=t) for t in tokens.tolist()]
+    rows = torch.tensor(lp_rows, device=logits.device)
+    # Logprobs come from the raw logits (before temperature and filters), as vLLM reports them.
+    logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
+    top_n = max(params[i].logprobs or 0 for i in lp_rows)
+    # float64 holds token ids exactly, so ids and logprobs travel together in one .tolist().
+    parts = [tokens.double(), chosen.double()]
+    if top_n:
+        top_vals, top_ids = logprobs.topk(top_n, dim=-1)
+        parts += [top_vals.double().flatten(), top_ids.double().flatten()]
+    flat = torch.cat(parts).tolist()
+    return _unpack(flat, len(params), lp_rows, params, top_n)
+
+
+def _unpack(flat: list[float], num_rows: int, lp_rows: list[int], params: list[SamplingParams],
+            top_n: int) -> list[SampledToken]:
+    token_ids = [int(t) for t in flat[:num_rows]]
+    out = [SampledToken(token_id=t) for t in token_ids]
+    num_lp = len(lp_rows)
+    chosen = flat[num_rows:num_rows + num_lp]
+    vals_start = num_rows + num_lp
+    ids_start = vals_start + num_lp * top_n
+    for j, row in enumerate(lp_rows):
+        n = params[row].logprobs or 0
+        base = j * top_n
+        vals = flat[vals_start + base:vals_start + base + n]
+        ids = flat[ids_start + base:ids_start + base + n]
+        out[row].logprob = chosen[j]
+        out[row].top_logprobs = {int(i): v for i, v in zip(ids, vals)}
+    return out

@@ -1,0 +1,207 @@
+"""Iteration-level scheduler: one token budget per step, running requests first, chunked prefill,
+preemption by recompute. No torch here."""
+from __future__ import annotations
+
+from collections import deque
+
+from conveyor.serving.config import SchedulerConfig
+from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
+from conveyor.serving.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from conveyor.serving.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions_total = 0
+        self._num_waiting_tokens = 0
+        # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
+        self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
+
+    # ---- queue state -------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"waiting queue full ({len(self.waiting)} requests)")
+        if self._num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens:
+            raise QueueFullError(f"waiting queue full ({self._num_waiting_tokens} prompt tokens)")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string); their blocks are freed now."""
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+                self._num_waiting_tokens -= request.num_tokens
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        # Decodes first: they are one token each and every running stream is waiting on its next token.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_tokens_to_compute(request, budget)
+            if num_new == 0:
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new, scheduled, out)
+            if block_ids is None:
+                continue
+            scheduled[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
+            budget -= num_new
+        if not out.preempted_ids:
+            budget = self._admit_waiting(budget, scheduled)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        return min(remaining, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledChunk],
+                             out: SchedulerOutput) -> list[int] | None:
+        while True:
+            block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self._pick_victim(request, scheduled)
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _pick_victim(self, request: Request, scheduled: dict[str, ScheduledChunk]) -> Request:
+        """The latest-admitted running request not yet given tokens this step; else the request itself."""
+        for candidate in reversed(self.running):
+            if candidate is not request and candidate.request_id not in scheduled:
+                return candidate
+        return request
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        # Keep the block hashes: on re-admission the prefix cache usually gives its own blocks back.
+        self.kv_cache.free(request, forget_hashes=False)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_waiting_tokens += request.num_tokens
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+
+    def _admission_open(self) -> bool:
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admission_open():
+                break
+            request = self.waiting[0]
+            computed, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self._fits_for_admission(request, num_new, computed):
+                break
+            block_ids = self.kv_cache.allocate_slots(request, num_new, computed)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            self._num_waiting_tokens -= request.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
+            budget -= num_new
+        return budget
+
+    def _fits_for_admission(self, request: Request, num_new: int, computed: list) -> bool:
+        needed = cdiv(request.num_computed_tokens + num_new, self.kv_cache.block_size) - len(computed)
+        free_after = self.kv_cache.num_free_blocks - sum(1 for b in computed if b.ref_count == 0) - needed
+        return free_after >= self._watermark_blocks or not self.running
+
+    # ---- results -----------------------------------------------------------------------------------
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance progress counters, append sampled tokens, end requests that hit a stop condition.
+        Returns the requests that received a token this step (finished ones included)."""
+        updated = []
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            sampled = runner_output.sampled.get(request.request_id)
+            if sampled is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.output_token_ids.append(sampled.token_id)
+            updated.append(request)
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return updated
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self._num_waiting_tokens += request.num_tokens
+        self.waiting.append(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)

@@ -1,0 +1,43 @@
+"""Static batching, the baseline: a batch is admitted together and runs until its longest member ends.
+
+Same interface, KV cache and token budget as the continuous scheduler; what differs is admission: nothing
+joins a batch while any member still runs, and a batch is admitted only if every member's whole lifetime
+(prompt + max_tokens) fits in the cache at once, so the baseline never preempts.
+"""
+from __future__ import annotations
+
+from conveyor.serving.kv_cache_manager import cdiv
+from conveyor.serving.outputs import ScheduledChunk
+from conveyor.serving.request import Request, RequestStatus
+from conveyor.serving.scheduler import Scheduler
+
+
+class StaticScheduler(Scheduler):
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        if self.running:
+            return budget
+        num_reserved = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_blocks = self._lifetime_blocks(request)
+            if self.running and num_reserved + num_blocks > self.kv_cache.num_free_blocks:
+                break
+            num_reserved += num_blocks
+            self.waiting.popleft()
+            self._num_waiting_tokens -= request.num_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.num_cached_tokens = 0
+            self.running.append(request)
+        for request in self.running:
+            if budget == 0:
+                break
+            num_new = min(request.num_tokens, budget)
+            block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if block_ids is None:
+                break
+            scheduled[request.request_id] = ScheduledChunk(request, 0, num_new, block_ids)
+            budget -= num_new
+        return budget
+
+    def _lifetime_blocks(self, request: Request) -> int:
+        return cdiv(request.num_prompt_tokens + request.max_tokens, self.kv_cache.block_size)
