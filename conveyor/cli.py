@@ -1,2 +1,96 @@
-def main() -> None:
-    print("placeholder")
+"""The `conveyor` command line: one entry point, subcommands."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="'smollm2', a local HF dir, or a .gguf file")
+    parser.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--memory-fraction", type=float, default=0.25)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+
+
+def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
+    from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling),
+        attention_backend=args.attention_backend)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from conveyor.serving.engine import LLMEngine
+    from conveyor.serving.request import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    engine.add_request(engine.make_request(prompt, params))
+    while engine.has_unfinished():
+        outputs, _ = engine.step()
+        for out in outputs:
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from conveyor.serving.models.loader import pull_model
+
+    print(pull_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a streamed answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    model = sub.add_parser("model", help="manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    pull = model_sub.add_parser("pull", help="download and convert a model into the local cache")
+    pull.add_argument("name", nargs="?", default="smollm2")
+    pull.set_defaults(func=cmd_model_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

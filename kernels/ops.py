@@ -25,3 +25,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                          query_start_loc, scale)
     return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                         scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """'auto' -> the best backend for the device; other names are checked."""
+    if name == "auto":
+        return "torch"
+    if name not in BACKENDS and name != "reference":
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    return name

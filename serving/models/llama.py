@@ -4,7 +4,7 @@ Tokens arrive packed: one flat [T] batch holding prefill chunks and decodes of m
 attention layer finds each sequence's rows and cached context through AttentionMetadata. Everything except
 attention is per-token, so it needs no notion of sequences at all.
 
-q/k/v and gate/up are fused into one Linear each at load time: fewer, larger matmuls are what a slow CPU wants.
+q/k/v and gate/up are fused into one Linear each at load time: fewer, larger matmuls suit a slow CPU.
 """
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from conveyor.serving.attention import AttentionMetadata, PagedAttention
+from torch import Tensor, nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,7 +24,7 @@ def _head_dim(config) -> int:
 
 
 def _rope_parameters(config) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; older configs use rope_theta + rope_scaling."""
+    """transformers 5 keeps rope settings in `rope_parameters`; older configs: rope_theta + rope_scaling."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
-
 from conveyor.serving.models.hub import (
     SMOLLM2_ALIASES,
     cache_dir,
@@ -18,6 +16,7 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.llama import LlamaForCausalLM
+from safetensors import safe_open
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -76,8 +75,9 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     path = resolve_model_path(model)
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture {config.model_type!r} ({getattr(config, 'architectures', '')})"
-                         f"; supported model_type: {SUPPORTED_MODEL_TYPES}")
+        archs = getattr(config, "architectures", None)
+        raise ValueError(f"unsupported architecture {config.model_type!r} ({archs}); "
+                         f"supported model_type: {SUPPORTED_MODEL_TYPES}")
     net = build_model(config, dtype, torch.device(device), attention_backend)
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping

@@ -1,0 +1,153 @@
+"""The engine against transformers, token for token, with chunking and preemption forced."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conveyor.serving import LLM, AsyncEngine, EngineConfig, SamplingParams
+from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.engine import LLMEngine
+from conveyor.serving.scheduler import QueueFullError
+
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France? Paris is the capital. " * 4,
+    "héllo wörld 🙂",
+    "Continuous batching admits new requests at every token step; paged attention keeps KV in blocks. " * 3,
+    "numbers 0123456789",
+    "a",
+]
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
+    prompt_ids = [llm.engine.tokenize(p) for p in PROMPTS]
+    lengths = [12 + 5 * i for i in range(len(PROMPTS))]
+    return prompt_ids, lengths, [hf_greedy(tiny_model_dir, ids, n) for ids, n in zip(prompt_ids, lengths)]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=512),
+    # A small token budget chunks every long prompt, mixed with the others' decodes.
+    dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=16),
+    # A cache too small for everyone at once forces preemption and recompute.
+    dict(num_kv_blocks=40, block_size=4, max_num_batched_tokens=24),
+    dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=64, scheduling="static", max_num_seqs=3),
+], ids=["plain", "chunked", "preempting", "static"])
+def test_greedy_matches_transformers(tiny_model_dir, expected, engine_kwargs):
+    prompt_ids, lengths, reference = expected
+    llm = LLM(str(tiny_model_dir), **engine_kwargs)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    results = llm.generate(prompt_ids, params)
+    assert [r.token_ids for r in results] == reference
+    assert all(r.finish_reason == "length" for r in results)
+    if engine_kwargs["num_kv_blocks"] == 40:
+        assert llm.engine.scheduler.num_preemptions_total > 0
+    assert llm.engine.kv_cache.num_free_blocks == engine_kwargs["num_kv_blocks"]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=8)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", seeded)[0].token_ids
+    noise = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 3
+    batch = llm.generate(["numbers", "The quick brown fox", "héllo", "a b c"], [noise[0], seeded, *noise[1:]])
+    assert batch[1].token_ids == alone
+    other_seed = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_text_stop_strings_and_finish_reasons(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=128)
+    full = llm.generate("The quick", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert full.text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = full.text[len(full.text) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("greedy text of the random model has no usable stop string")
+    cut = llm.generate("The quick", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))
+    assert cut[0].finish_reason == "stop"
+    assert cut[0].text == full.text[:full.text.index(stop)]
+
+
+def test_bad_input_is_refused_and_nothing_else_is_disturbed(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=16, block_size=4, max_model_len=128)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([1] * 200)
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate([1] * 10, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([10**9])
+    ok = llm.generate("The quick", SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(ok[0].token_ids) == 5
+    assert llm.engine.kv_cache.num_free_blocks == 16
+
+
+def test_chat_template_is_applied(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    result = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert llm.tokenizer.decode(result.prompt_token_ids).endswith("<|im_start|>assistant\n")
+
+
+def _async_engine(model_dir, **sched) -> AsyncEngine:
+    config = EngineConfig(model=ModelConfig(model=str(model_dir)), cache=CacheConfig(num_blocks=64, block_size=4),
+                          scheduler=SchedulerConfig(**sched))
+    return AsyncEngine(LLMEngine(config))
+
+
+def test_async_engine_streams_and_aborts_when_the_consumer_leaves(tiny_model_dir):
+    engine = _async_engine(tiny_model_dir)
+
+    async def main():
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        streamed = [o async for o in engine.generate("The quick brown fox", params)]
+        assert len(streamed) == 12 and streamed[-1].finished
+        assert "".join(o.delta_text for o in streamed) == streamed[-1].text
+        gen = engine.generate("The quick brown fox", SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not engine.engine.kv_cache.block_tables and not engine.engine.has_unfinished():
+                break
+        assert not engine.engine.kv_cache.block_tables
+        assert engine.engine.kv_cache.num_free_blocks == 64
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_async_engine_refuses_past_the_queue_bound(tiny_model_dir):
+    engine = _async_engine(tiny_model_dir, max_waiting_requests=1, max_num_seqs=1)
+
+    async def main():
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        gens = [engine.generate("The quick", params) for _ in range(6)]
+        results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        assert any(isinstance(r, QueueFullError) for r in results)
+        assert any(not isinstance(r, BaseException) for r in results)
+        for g in gens:
+            await g.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

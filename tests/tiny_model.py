@@ -1,0 +1,54 @@
+"""A tiny random-weight Llama (and its tokenizer) that tests build themselves: no hub, loads in a blink."""
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital.",
+    "Continuous batching admits new requests at every token step; paged attention keeps KV in blocks.",
+    "héllo wörld, naïve café, 日本語のテキスト, emoji 🙂🚀, numbers 0123456789 and punctuation !?;:",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0) -> Path:
+    """Save a random Llama (or Qwen2 when qkv_bias) with a matching tokenizer into path; return path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  tie_word_embeddings=qkv_bias)
+    torch.manual_seed(seed)
+    if qkv_bias:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    # Spread the logits so greedy decoding has clear winners instead of near-ties between code paths.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
