@@ -1,17 +1,114 @@
-"""One dispatch point for attention kernels. Imports nothing of Conveyor's."""
+"""One dispatch point for attention kernels. Imports nothing of Conveyor's outside conveyor.kernels.
+
+Backends:
+- "reference": reference.py, the truth (slow, one sequence at a time).
+- "torch": torch_native.py, vectorized torch; the CPU default.
+- "triton": triton_attention.py, one varlen kernel for mixed steps (on CPU only under TRITON_INTERPRET=1).
+- "cuda": our CUDA decode kernel (csrc/) for decode-only steps; steps with prefill chunks, or shapes the CUDA
+  kernel lacks, go to triton (torch where triton is missing).
+- "flash": FlashAttention's paged varlen kernel (flash.py) where it supports the dtype and block size, else
+  triton.
+Heavy modules (triton, the CUDA extension, flash) are imported on first use only.
+"""
 from __future__ import annotations
 
-import torch
+import functools
+import importlib
+import os
+import warnings
+from types import ModuleType
 
+import torch
 from conveyor.kernels import reference, torch_native
 
-BACKENDS = ("torch", "triton", "cuda", "flash")
+BACKENDS = ("reference", "torch", "triton", "cuda", "flash")
+
+
+@functools.cache
+def _triton() -> ModuleType | None:
+    try:
+        return importlib.import_module("conveyor.kernels.triton_attention")
+    except ImportError:
+        return None
+
+
+def _cuda_ext() -> ModuleType:
+    return importlib.import_module("conveyor.kernels.cuda_ext")
+
+
+def _flash() -> ModuleType:
+    return importlib.import_module("conveyor.kernels.flash")
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if _triton() is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on this device in this process."""
+    device = torch.device(device)
+    names = ["reference", "torch"]
+    if _triton_usable(device):
+        names.append("triton")
+    if device.type == "cuda":
+        if _cuda_ext().is_available():
+            names.append("cuda")
+        if _flash().is_available():
+            names.append("flash")
+    return names
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Map "auto" to the best backend for the device; ValueError for an unknown or unavailable name.
+
+    auto: CUDA device -> flash if importable, else cuda (decode; triton for prefill) if the extension can be
+    built, else triton, else torch; CPU -> torch.
+    """
+    device = torch.device(device)
+    available = available_backends(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        for candidate in ("flash", "cuda", "triton"):
+            if candidate in available:
+                return candidate
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    if name not in available:
+        raise ValueError(f"attention backend {name!r} is unavailable on {device}; available: {available}")
+    return name
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _fallback_backend(device: torch.device) -> str:
+    """Where cuda/flash send the steps they cannot run."""
+    return "triton" if _triton_usable(device) else "torch"
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "torch") -> None:
+    """cache[slot // block_size, slot % block_size] = key/value rows; slot < 0 skips the token."""
     if backend == "reference":
         return reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if backend == "cuda":
+        try:
+            return _cuda_ext().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        except RuntimeError as exc:
+            _warn_once(f"cuda kv-cache write unavailable ({exc}); using {_fallback_backend(key.device)}")
+            backend = _fallback_backend(key.device)
+    if backend == "flash":  # FlashAttention has no cache write of its own
+        backend = _fallback_backend(key.device)
+    if backend == "triton":
+        return _triton().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if backend != "torch":
+        raise ValueError(f"unknown attention backend {backend!r}")
     return torch_native.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -20,17 +117,50 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, *, max_query_len: int, max_seq_len: int,
                     seq_lens_list: list[int] | None = None, query_lens_list: list[int] | None = None,
                     backend: str = "torch") -> torch.Tensor:
+    """Causal paged attention of packed varlen queries [T, H, D]; see reference.paged_attention."""
     if backend == "reference":
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale)
-    return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    if backend == "cuda":
+        out = _cuda_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_query_len,
+                           max_seq_len)
+        if out is not None:
+            return out
+        backend = _fallback_backend(query.device)
+    if backend == "flash":
+        flash = _flash()
+        if flash.supports(key_cache.shape[1], query.dtype):
+            return flash.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, max_query_len=max_query_len,
+                                         max_seq_len=max_seq_len)
+        _warn_once(f"flash: block size {key_cache.shape[1]} / {query.dtype} unsupported; using triton")
+        backend = _fallback_backend(query.device)
+    if backend == "triton":
+        return _triton().paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, max_query_len=max_query_len,
+                                         max_seq_len=max_seq_len)
+    if backend != "torch":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                        query_start_loc,
                                         scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """'auto' -> the best backend for the device; other names are checked."""
-    if name == "auto":
-        return "torch"
-    if name not in BACKENDS and name != "reference":
-        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
-    return name
+def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                 max_seq_len: int) -> torch.Tensor | None:
+    """The CUDA decode kernel's answer, or None when this step is not one it handles."""
+    decode_only = max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
+    cuda_ext = _cuda_ext()
+    if not decode_only or not cuda_ext.supports(query.dtype, query.shape[2]):
+        return None
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return None
+    try:
+        return cuda_ext.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                     max_seq_len)
+    except RuntimeError as exc:
+        if "unavailable" not in str(exc) and "Error building" not in str(exc):
+            raise
+        _warn_once(f"cuda decode kernel unavailable ({exc}); using {_fallback_backend(query.device)}")
+        return None

@@ -1,6 +1,7 @@
 """Vectorized torch paged attention: the CPU default backend (the reference is too slow to serve with).
 
-Decode-only sequences (one query token each) are batched into one padded, grouped matmul: on CPU the per-sequence
+Decode-only sequences (one query token each) are batched into one padded, grouped matmul: on CPU the per-
+sequence
 Python loop and its small SDPA calls cost more than the arithmetic. Sequences with a prefill chunk (q_len > 1)
 still go one at a time through SDPA with a causal mask, since their shapes differ too much to pad cheaply.
 """
@@ -20,7 +21,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 # Gathered K (and V) bytes per chunk of decode sequences. Measured on the 2-core CPU VM (32 decodes of context
-# 300, H=9, KVH=3, D=64): temporaries of several MB are returned to the OS and page-faulted back on every call,
+# 300, H=9, KVH=3, D=64): temporaries of several MB are returned to the OS and page-faulted back on every
+# call,
 # which made one whole-batch gather slower than the old per-sequence loop; ~1 MB chunks run 2x faster than it.
 _CHUNK_BYTES = 1 << 20
 
@@ -51,6 +53,8 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         n = min(chunk, batch - c)
         k = _gather(key_cache, tables[c:c + n], dtype)  # [n * KVH, S, D]
         v = _gather(value_cache, tables[c:c + n], dtype)
+        # Padded positions get probability 0, but 0 * NaN is NaN: stale cache slots may hold anything.
+        v.view(n, num_kv_heads, padded_len, head_dim).masked_fill_(pad[c:c + n, None, :, None], 0.0)
         # Query heads h = kvh * group + g share kv head kvh (the reference's repeat_interleave order).
         q = query[c:c + n].reshape(n * num_kv_heads, group, head_dim).to(dtype)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(n, num_kv_heads, group, padded_len)
@@ -115,7 +119,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         decode_set = set(decode)
     else:
         decode_set = set()
-    for i, (q_len, seq_len) in enumerate(zip(query_lens_list, seq_lens_list)):
+    for i, (q_len, seq_len) in enumerate(zip(query_lens_list, seq_lens_list, strict=True)):
         if q_len == 0 or i in decode_set:
             continue
         start = starts[i]

@@ -1,7 +1,9 @@
 """Triton kernels: varlen paged attention for a mixed step (prefill chunks + decodes) and the KV-cache write.
 
-One attention program handles one (sequence, kv head, tile of query tokens): its rows are the tile's query tokens
-times the query heads of that kv head's GQA group, so every K/V tile is read once for the whole group. It walks
+One attention program handles one (sequence, kv head, tile of query tokens): its rows are the tile's query
+tokens
+times the query heads of that kv head's GQA group, so every K/V tile is read once for the whole group. It
+walks
 the sequence's context in BLOCK_N-position tiles, looking each position's block up in the block table (so any
 power-of-two block size works, including block sizes smaller than the tile), with an fp32 online softmax.
 
@@ -121,8 +123,10 @@ def _write_kv_cache_kernel(
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    row = offs_h[:, None] * stride_kch + offs_d[None, :]
+    kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + row
+    v_row = offs_h[:, None] * stride_vch + offs_d[None, :]
+    vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + v_row
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -164,7 +168,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # Rows per program = tokens * group_pad; at least 16 so tl.dot has legal shapes on a GPU. A decode-only step
+    # Rows per program = tokens * group_pad; at least 16 so tl.dot has legal shapes on a GPU. A decode-only
+    # step
     # uses one token per program (no wasted rows beyond the 16-row minimum).
     if block_m is None:
         rows = 16 if max_query_len == 1 else 64
@@ -185,7 +190,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision,
     )
     return out

@@ -35,20 +35,13 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._skip_partial_context_char()
         self._held = ""  # decoded, not yet emitted: could be the start of a stop string
-        self._chunks: list[str] = []  # emitted deltas; joined lazily into `text`
-        self._text_cache = ""
-        self._text_cache_chunks = 0
+        # All text emitted so far. The engine reads it every step, so it is kept whole rather than
+        # joined on demand; an append is a memcpy, cheap next to the decode calls.
+        self.text = ""
         self.output_token_ids: list[int] = []
         self.stopped = False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far (the concatenation of every delta returned)."""
-        if self._text_cache_chunks != len(self._chunks):
-            self._text_cache = "".join(self._chunks)
-            self._text_cache_chunks = len(self._chunks)
-        return self._text_cache
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add generated tokens; return the text delta that is safe to emit now ("" once stopped)."""
@@ -68,6 +61,13 @@ class IncrementalDetokenizer:
         return self._emit(self._decode_step(force=True), final=True)
 
     # -- decoding ---------------------------------------------------------------------------------
+
+    def _skip_partial_context_char(self) -> None:
+        # The prompt tail may begin mid-character. Byte-fallback decoders then turn the whole byte run,
+        # including the first output bytes, into "\ufffd"s, so start the window at a character boundary.
+        while (self._prefix_offset < self._read_offset
+               and self._decode(self._prefix_offset, self._read_offset).startswith(_REPLACEMENT)):
+            self._prefix_offset += 1
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
@@ -131,8 +131,7 @@ class IncrementalDetokenizer:
         return self._send(buf[:len(buf) - keep])
 
     def _send(self, delta: str) -> str:
-        if delta:
-            self._chunks.append(delta)
+        self.text += delta
         return delta
 
 
@@ -141,7 +140,9 @@ def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for stop in stops:
         start = text.find(stop)
-        if start >= 0 and (best is None or start < best[0] or (start == best[0] and len(stop) > len(best[1]))):
+        if start < 0:
+            continue
+        if best is None or start < best[0] or (start == best[0] and len(stop) > len(best[1])):
             best = (start, stop)
     return best
 

@@ -116,10 +116,11 @@ class LLMEngine:
         queries, hits = self.kv_cache.num_prefix_queries, self.kv_cache.num_prefix_hits
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
+        # Classify chunks before update() appends the sampled tokens and moves the requests on.
+        num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         updated = self.scheduler.update(sched, runner_out)
         now = time.monotonic()
         outputs = [self._output_for(request, runner_out.sampled[request.request_id], now) for request in updated]
-        num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         stats = EngineStepStats(
             step_time_s=time.perf_counter() - start, num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=num_prefill, num_decode_tokens=sched.num_scheduled_tokens - num_prefill,

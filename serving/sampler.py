@@ -7,10 +7,9 @@ neighbours or its row position; everything else is vectorized across rows.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 from conveyor.serving.outputs import SampledToken
 from conveyor.serving.request import SamplingParams
+from torch import Tensor
 
 # Exponential draws can be exactly 0; dividing by it would give inf (or nan for zero-prob tokens).
 _MIN_EXP_DRAW = 1e-20
@@ -38,13 +37,13 @@ class Sampler:
         if not params:
             return []
         logits = logits.float()
-        # Greedy rows (and the all-greedy fast path) need only an argmax: no softmax, no sort.
-        tokens = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sample_rows:
-            if len(sample_rows) == len(params):
-                tokens = self._sample(logits, params, generators)
-            else:
+        if len(sample_rows) == len(params):
+            tokens = self._sample(logits, params, generators)
+        else:
+            # Greedy rows (and the all-greedy fast path) need only an argmax: no softmax, no sort.
+            tokens = logits.argmax(dim=-1)
+            if sample_rows:
                 rows = torch.tensor(sample_rows, device=logits.device)
                 tokens[rows] = self._sample(logits.index_select(0, rows),
                                             [params[i] for i in sample_rows],
@@ -156,5 +155,5 @@ def _unpack(flat: list[float], num_rows: int, lp_rows: list[int], params: list[S
         vals = flat[vals_start + base:vals_start + base + n]
         ids = flat[ids_start + base:ids_start + base + n]
         out[row].logprob = chosen[j]
-        out[row].top_logprobs = {int(i): v for i, v in zip(ids, vals)}
+        out[row].top_logprobs = {int(i): v for i, v in zip(ids, vals, strict=True)}
     return out

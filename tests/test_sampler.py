@@ -2,14 +2,23 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
-
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.sampler import Sampler, make_generator
 
 VOCAB = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """These tensors are tiny; intra-op threads only add wake-up latency (badly so on a busy CPU)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _random_logits(n: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -173,8 +182,10 @@ def test_distribution_matches_softmax_seeded_row() -> None:
 
 def test_logprobs_are_raw_log_softmax() -> None:
     logits = _random_logits(4)
-    params = [SamplingParams(temperature=0.7, top_k=5, logprobs=3), SamplingParams(temperature=0.0, logprobs=0),
-              SamplingParams(temperature=1.0), SamplingParams(temperature=1.3, top_p=0.5, logprobs=5)]
+    params = [SamplingParams(temperature=0.7, top_k=5, logprobs=3),
+              SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.3, top_p=0.5, logprobs=5)]
     out = Sampler(seed=0)(logits, params, [None, None, None, make_generator(4)])
     ref = torch.log_softmax(logits.double(), dim=-1)
 

@@ -82,8 +82,10 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
 
     start = time.perf_counter()
     log(f"converting {gguf_path.name} -> {out_dir} (once; ~1 min)")
+    # We hold the lock, so any temp dir here is debris of a killed conversion (517 MB each): remove it.
+    for debris in out_dir.parent.glob(out_dir.name + ".tmp-*"):
+        shutil.rmtree(debris, ignore_errors=True)
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     with torch.device("meta"):  # only needed for its parameter names: allocate nothing
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -95,6 +97,7 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
+    os.chmod(tmp / "model.safetensors", 0o644)  # save_file creates it 0600; the cache is shared
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     log(f"weights written ({time.perf_counter() - start:.1f}s); converting the tokenizer")

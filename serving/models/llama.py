@@ -87,14 +87,14 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """q [T, H, D], k [T, KVH, D]: the rotate-half (GPT-NeoX) layout that HF Llama checkpoints use."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, D/2] for the step's tokens; looked up once per step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x [T, heads, D] in the rotate-half (GPT-NeoX) layout that HF Llama checkpoints use."""
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -113,7 +113,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, config, backend: str) -> None:
         super().__init__()
         self.head_dim = _head_dim(config)
         self.num_heads = config.num_attention_heads
@@ -124,14 +124,13 @@ class Attention(nn.Module):
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias and config.model_type != "qwen2")
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend=backend)
 
-    def forward(self, positions: Tensor, x: Tensor, kv_cache: tuple[Tensor, Tensor],
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim),
-                           k.view(-1, self.num_kv_heads, self.head_dim))
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), rope)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, kv_cache, meta)
         return self.o_proj(out)
 
@@ -152,16 +151,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend: str) -> None:
+    def __init__(self, config, backend: str) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, backend)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: Tensor, x: Tensor, kv_cache: tuple[Tensor, Tensor],
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,9 +168,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, backend: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # One rotary table shared by all layers (registered once here, referenced by each layer's attention).
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary_emb, backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -195,8 +193,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """Packed varlen tokens input_ids/positions int64 [T] -> final hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

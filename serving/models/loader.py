@@ -78,6 +78,10 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
         archs = getattr(config, "architectures", None)
         raise ValueError(f"unsupported architecture {config.model_type!r} ({archs}); "
                          f"supported model_type: {SUPPORTED_MODEL_TYPES}")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        # Our paged attention is full causal: identical to the model's only while contexts fit the window.
+        log(f"warning: sliding_window={window} is not implemented; outputs are exact up to {window} tokens")
     net = build_model(config, dtype, torch.device(device), attention_backend)
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run the prepared GPU check on a lent H200 (python3 there has torch 2.11 CUDA 13, triton 3.6; no internet).
+# Usage from the repository root:  bash benchmarks/gpu_check.sh [--quick] [--engine] [--skip-tests]
+# Results: printed table + $OUT/gpu_check.json (when OUT is set). Keep the call under 5 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CONVEYOR_CUDA_BUILD_DIR="${CONVEYOR_CUDA_BUILD_DIR:-/tmp/conveyor_cuda_build}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+unset TRITON_INTERPRET  # compiled triton on the GPU, never the interpreter
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv || true
+exec timeout 290 python3 benchmarks/gpu_check.py "$@"
