@@ -5,7 +5,7 @@ setup:
 	scripts/setup.sh
 
 serve: setup
-	.venv/bin/conveyor generate "What is the capital of France?"
+	.venv/bin/conveyor serve
 
 generate: setup
 	.venv/bin/conveyor generate "$(PROMPT)"

@@ -25,7 +25,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
     from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -38,7 +39,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from conveyor.serving.request import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
-    prompt = args.prompt if args.raw else engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = args.prompt if args.raw else engine.apply_chat_template(messages)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     engine.add_request(engine.make_request(prompt, params))
@@ -58,6 +60,20 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from conveyor.router.serve_cli import run_serve
+
+    return run_serve(args, args.serve_parser)
+
+
+def cmd_dashboards_push(args: argparse.Namespace) -> int:
+    from conveyor.dashboards import push
+
+    for result in push(args.url, args.api_key, args.folder):
+        print(f"{result.get('status', 'ok')}: {result.get('url', result.get('uid', ''))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -73,11 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on a local Ray (foreground)")
+    _add_engine_args(srv)
+    from conveyor.router.serve_cli import add_serve_args  # imports neither ray nor torch
+
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve, serve_parser=srv)
+
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     pull = model_sub.add_parser("pull", help="download and convert a model into the local cache")
     pull.add_argument("name", nargs="?", default="smollm2")
     pull.set_defaults(func=cmd_model_pull)
+
+    dash = sub.add_parser("dashboards", help="Grafana dashboards")
+    dash_sub = dash.add_subparsers(dest="dashboards_command", required=True)
+    push = dash_sub.add_parser("push", help="create or overwrite the dashboards in a Grafana")
+    push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+    push.add_argument("--api-key", required=True, help="a Grafana API key or service account token")
+    push.add_argument("--folder", default=None, help="folder title (created if missing); default: General")
+    push.set_defaults(func=cmd_dashboards_push)
     return parser
 
 

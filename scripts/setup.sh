@@ -15,6 +15,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
+# The Prometheus server the metrics tests start (Debian package; idempotent).
+if ! command -v prometheus >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus
+fi
 if [ "${CONVEYOR_SKIP_MODEL:-0}" != "1" ]; then
   .venv/bin/conveyor model pull smollm2
 fi

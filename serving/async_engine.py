@@ -85,6 +85,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request.request_id))
 
+    def is_alive(self) -> bool:
+        """False once the engine thread has stopped (shutdown or crash): a health check reads this."""
+        return self._thread.is_alive()
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 

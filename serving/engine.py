@@ -11,7 +11,7 @@ from conveyor.kernels import ops
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import IncrementalDetokenizer
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
-from conveyor.serving.memory import block_bytes, num_kv_blocks
+from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
@@ -39,6 +39,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
         torch.manual_seed(config.model.seed)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()
         self.attention_backend = ops.resolve_backend(config.attention_backend, self.device)
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model.model, self.dtype, self.device, self.attention_backend)

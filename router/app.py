@@ -1,0 +1,134 @@
+"""build_app(args) -> serve.Application: the import_path of deploy/serve.yaml and what `conveyor serve` runs.
+
+    applications:
+      - name: conveyor
+        import_path: conveyor.router.app:build_app
+        args: {model: smollm2, num_replicas: 2, num_cpus: 1, max_num_seqs: 32}
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Literal
+
+from conveyor.router.autoscaling import AutoscalingArgs
+from conveyor.router.ingress import Ingress, IngressSettings
+from conveyor.router.replica import EngineReplica
+from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROUTER = "conveyor.router.routing:LoadAwarePrefixRouter"
+
+
+class ServeArgs(BaseModel):
+    """Everything a deployment is configured with: the YAML `args`, `conveyor serve` flags and tests."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key in a YAML file should fail the deploy
+
+    # model and replicas
+    model: str = "smollm2"
+    served_model_name: str | None = None  # the id clients send as `model`; default: `model`
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None  # passed to Serve as is; replaces num_replicas
+    # Conveyor's queue + tail-latency policy (router/autoscaling.py); replaces num_replicas.
+    autoscaling: AutoscalingArgs | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    torch_num_threads: int | None = Field(None, ge=1)  # several replicas on one host: split the cores
+    # engine
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    memory_fraction: float = Field(0.25, gt=0, le=1)
+    block_size: int = Field(16, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    scheduling: Literal["continuous", "static"] = "continuous"
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    # limits
+    max_waiting_requests: int = Field(256, ge=1)
+    max_waiting_tokens: int = Field(1 << 20, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    replica_wait_timeout_s: float = Field(30.0, gt=0)
+    ingress_max_ongoing_requests: int = Field(1000, ge=1)
+    api_key: str | None = None
+    # routing
+    request_router_class: str | None = DEFAULT_ROUTER  # None or "": Serve's default power-of-two router
+    request_routing_stats_period_s: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> ServeArgs:
+        self.engine_config()  # the engine's own dataclass checks, at deploy time rather than in a replica
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
+                              max_model_len=self.max_model_len, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
+                              kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, scheduling=self.scheduling,
+                                      max_waiting_requests=self.max_waiting_requests,
+                                      max_waiting_tokens=self.max_waiting_tokens),
+            attention_backend=self.attention_backend)
+
+    def ingress_settings(self) -> IngressSettings:
+        name = self.served_model_name or self.model
+        aliases = [self.model] if name != self.model else []
+        return IngressSettings(model_name=name, model_aliases=aliases, api_key=self.api_key,
+                               max_body_bytes=self.max_body_bytes,
+                               replica_wait_timeout_s=self.replica_wait_timeout_s)
+
+    def replica_options(self) -> dict[str, Any]:
+        # The engine's waiting queue is the admission bound (it answers 429); Serve must not cap or queue
+        # in front of it, so its per-replica limit sits just above what the engine admits.
+        options: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "max_ongoing_requests": self.max_num_seqs + self.max_waiting_requests + 8,
+            "request_router_config": self.router_config(),
+        }
+        if self.autoscaling is not None:
+            name = self.served_model_name or self.model
+            options["autoscaling_config"] = self.autoscaling.serve_config(name)
+        elif self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config  # Serve refuses it with num_replicas
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+    def router_config(self) -> RequestRouterConfig:
+        period = self.request_routing_stats_period_s
+        path = self.request_router_class
+        if path and not _importable(path):
+            logger.warning("request router %r cannot be imported; using Serve's default router", path)
+            path = None
+        if not path:
+            return RequestRouterConfig(request_routing_stats_period_s=period)
+        return RequestRouterConfig(request_router_class=path, request_routing_stats_period_s=period)
+
+
+def _importable(path: str) -> bool:
+    module, _, attr = path.replace(":", ".").rpartition(".")
+    try:
+        return hasattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001 - any failure to import means "not available", logged by the caller
+        return False
+
+
+def build_app(args: dict[str, Any] | ServeArgs | None = None) -> serve.Application:
+    cfg = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
+    engine = EngineReplica.options(**cfg.replica_options()).bind(
+        cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model)
+    ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+                              ray_actor_options={"num_cpus": 0})  # I/O only: never take an engine's CPU
+    return ingress.bind(engine, cfg.ingress_settings())

@@ -1,0 +1,127 @@
+"""Turn replica records (one small dict per engine delta) into OpenAI completion / chat bodies and SSE chunks.
+
+A record is `{"text", "num_tokens", "prompt_tokens", ["finish_reason", "cached_tokens"], ["logprobs"]}`
+(see router/replica.py). One `ChoiceState` per choice accumulates what the non-streaming body needs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.router.protocol import Usage, chat_body, completion_body
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    prompt_index: int
+    counts_prompt: bool  # n > 1 shares one prompt: count its tokens once in usage
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    text_offset: int = 0
+
+    def update(self, record: dict[str, Any]) -> None:
+        self.text.append(record["text"])
+        self.completion_tokens += record["num_tokens"]
+        self.prompt_tokens = record["prompt_tokens"]
+        self.finish_reason = record.get("finish_reason", self.finish_reason)
+        if "logprobs" in record:
+            self.logprobs = (self.logprobs or []) + record["logprobs"]
+
+
+def usage_of(states: list[ChoiceState]) -> Usage:
+    usage = Usage()
+    for s in states:
+        usage.add(s.prompt_tokens if s.counts_prompt else 0, s.completion_tokens)
+    return usage
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class CompletionFormat:
+    """/v1/completions: `text` per choice, legacy logprobs (tokens / token_logprobs / top_logprobs)."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.fingerprint: str | None = None  # the serving replica's id, so a client can tell replicas apart
+
+    def logprobs(self, entries: list[dict[str, Any]] | None, state: ChoiceState) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(state.text_offset)
+            state.text_offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": offsets}
+
+    def chunk(self, state: ChoiceState, record: dict[str, Any], first: bool) -> list[dict[str, Any]]:
+        choice = {"index": state.index, "text": record["text"],
+                  "logprobs": self.logprobs(record.get("logprobs"), state),
+                  "finish_reason": record.get("finish_reason")}
+        return [completion_body(self.request_id, self.model, [choice], None, chunk=True,
+                                  fingerprint=self.fingerprint)]
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return completion_body(self.request_id, self.model, [], usage, chunk=True,
+                               fingerprint=self.fingerprint)
+
+    def body(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices = []
+        for s in states:
+            s.text_offset = 0
+            choices.append({"index": s.index, "text": "".join(s.text),
+                            "logprobs": self.logprobs(s.logprobs, s), "finish_reason": s.finish_reason})
+        return completion_body(self.request_id, self.model, choices, usage_of(states), chunk=False,
+                         fingerprint=self.fingerprint)
+
+
+class ChatFormat:
+    """/v1/chat/completions: an assistant message per choice, chat-style logprobs."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.fingerprint: str | None = None  # the serving replica's id, so a client can tell replicas apart
+
+    @staticmethod
+    def logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+
+        def item(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+        return {"content": [{**item(e["token"], e["logprob"]),
+                             "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]}
+
+    def chunk(self, state: ChoiceState, record: dict[str, Any], first: bool) -> list[dict[str, Any]]:
+        chunks = []
+        if first:  # OpenAI opens each choice with a role-only delta; clients key on it
+            role = {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            chunks.append(chat_body(self.request_id, self.model, [role], None, chunk=True,
+                                    fingerprint=self.fingerprint))
+        choice = {"index": state.index, "delta": {"content": record["text"]},
+                  "logprobs": self.logprobs(record.get("logprobs")),
+                  "finish_reason": record.get("finish_reason")}
+        chunks.append(chat_body(self.request_id, self.model, [choice], None, chunk=True,
+                                  fingerprint=self.fingerprint))
+        return chunks
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return chat_body(self.request_id, self.model, [], usage, chunk=True, fingerprint=self.fingerprint)
+
+    def body(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": "".join(s.text)},
+                    "logprobs": self.logprobs(s.logprobs), "finish_reason": s.finish_reason} for s in states]
+        return chat_body(self.request_id, self.model, choices, usage_of(states), chunk=False,
+                         fingerprint=self.fingerprint)

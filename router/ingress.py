@@ -1,0 +1,196 @@
+"""The HTTP front door: FastAPI inside a Serve deployment, calling the engine replicas through a handle.
+
+Every request is validated, authenticated and started (first record in hand) before a status line is sent,
+so that bad input, a full queue or a missing replica come back as proper HTTP errors and a stream's first
+SSE chunk leaves as soon as the first token exists.
+"""
+# No `from __future__ import annotations` here: FastAPI must see real types in the Serve class-based view.
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import Any
+
+from conveyor.router.errors import ApiError, from_validation, install_handlers
+from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
+from conveyor.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    new_id,
+)
+from conveyor.router.replica import make_request
+from conveyor.router.streams import (
+    ClosingStreamingResponse,
+    StartedStream,
+    merge_records,
+    sse_body,
+    start_stream,
+)
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
+
+
+class IngressSettings(BaseModel):
+    model_name: str
+    model_aliases: list[str] = []
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    replica_wait_timeout_s: float = 30.0
+
+
+# serve.ingress pickles the app and this class when the decorator runs, with the module globals that exist
+# at that point: helpers the methods call must live in other modules (imported above), not below the class.
+app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None)
+install_handlers(app)
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=1000, num_replicas=1)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        # Metrics: this process' registry on its own port, plus the fleet's replica-count gauges; the list of
+        # every replica's endpoint is served below for Prometheus service discovery.
+        from conveyor.router.metrics_registry import FleetGauges, get_registry, start_replica_endpoint
+
+        self._app_name = serve.get_replica_context().app_name
+        self._metrics_registry = get_registry()
+        self._metrics_endpoint = start_replica_endpoint("ingress", settings.model_name)
+        self._fleet_gauges = FleetGauges(settings.model_name, self._app_name)
+
+    # ---- endpoints ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/targets")
+    async def metrics_targets(self) -> JSONResponse:
+        """Prometheus HTTP service discovery: every live replica's metrics endpoint (metrics_registry.py)."""
+        return JSONResponse(await self._metrics_registry.targets.remote(self._app_name))
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.model_name)]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = await self._parse(request, CompletionRequest)
+        model = self._check_model(req.model)
+        n = req.n
+        jobs = [(pi * n + i, pi, i == 0,
+                 make_request(p, req.to_sampling_params(i), new_id("cmpl"),
+                              routing_prefix=p if isinstance(p, str) else ",".join(map(str, p))))
+                for pi, p in enumerate(req.prompts()) for i in range(n)]
+        fmt = CompletionFormat(new_id("cmpl"), model)
+        return await self._serve(jobs, fmt, req.stream, req.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = await self._parse(request, ChatCompletionRequest)
+        model = self._check_model(req.model)
+        messages = req.conversation()
+        # The router only needs a stable key for the shared prefix, not the model's exact template.
+        prefix = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        jobs = [(i, 0, i == 0, make_request(None, req.to_sampling_params(i), new_id("chatcmpl"),
+                                            messages=messages, routing_prefix=prefix))
+                for i in range(req.n)]
+        fmt = ChatFormat(new_id("chatcmpl"), model)
+        return await self._serve(jobs, fmt, req.stream, req.include_usage)
+
+    # ---- request checks ----------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        body = await self._read_body(request)
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError.invalid("request body is not valid UTF-8", code="invalid_encoding") from None
+        except json.JSONDecodeError as exc:
+            raise ApiError.invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError.invalid("request body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation(exc) from None
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_big = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():  # a chunked body has no Content-Length: count as it comes
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        return bytes(body)
+
+    def _check_model(self, model: str | None) -> str:
+        name = self.settings.model_name
+        if model is None or model == name or model in self.settings.model_aliases:
+            return name
+        raise ApiError(400, f"model {model!r} is not served here; available: {name!r}", param="model",
+                       code="model_not_found")
+
+    # ---- generation --------------------------------------------------------------------------------
+    async def _serve(self, jobs: list[tuple[int, int, bool, dict]], fmt: ChatFormat | CompletionFormat,
+                     stream: bool, include_usage: bool) -> Response:
+        states = [ChoiceState(index, pi, counts) for index, pi, counts, _ in jobs]
+        started = await self._start_all([job for *_, job in jobs])
+        fmt.fingerprint = started[0].first.get("replica")
+        if stream:
+            body = sse_body(started, states, fmt, include_usage)
+            return ClosingStreamingResponse(body, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for i, record in merge_records(started):
+                states[i].update(record)
+        except Exception as exc:
+            logger.warning("request failed mid-generation: %r", exc)
+            raise ApiError.server("a replica failed while generating; retry the request") from None
+        finally:
+            for s in started:
+                s.cancel()
+        return JSONResponse(fmt.body(states))
+
+    async def _start_all(self, requests: list[dict]) -> list[StartedStream]:
+        """Start every choice; if any fails, cancel the others and raise its error."""
+        tasks = [asyncio.ensure_future(start_stream(self.engine, r, self.settings.replica_wait_timeout_s))
+                 for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result().cancel()
+                else:
+                    t.cancel()
+            raise

@@ -1,0 +1,196 @@
+"""OpenAI-compatible request/response models and their mapping onto the engine's SamplingParams.
+
+Validation lives here so that everything a client sends is checked before it reaches a replica: a request
+that passes these models can still be refused by the engine (prompt beyond the context, bad token ids), but
+never with anything but a ValueError.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from conveyor.serving.request import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
+MAX_N = 8
+MAX_CHOICES = 64  # prompts x n of one request: bounds the fan-out a single request can cause
+MAX_STOP = 4
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Lenient(BaseModel):
+    # Unknown fields are ignored, as most OpenAI-compatible servers do: clients (LangChain, the openai SDK's
+    # extra_body) send parameters we do not implement, and refusing them breaks those clients outright.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Lenient):
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+        # n > 1 with a seed: each choice gets seed + i so the choices differ yet stay reproducible.
+        seed = None if self.seed is None else self.seed + index
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=seed, stop=tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False  # echoing the prompt is not implemented: refuse rather than ignore it
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_fan_out(self) -> CompletionRequest:
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a token-id list."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def to_sampling_params(self, index: int = 0) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, index)
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)  # deprecated by OpenAI, still sent
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self, index: int = 0) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, index)
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "conveyor"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_body(rid: str, model: str, choices: list[dict], usage: Usage | None, *, chunk: bool,
+                    fingerprint: str | None = None) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "system_fingerprint": fingerprint}
+    if usage is not None or not chunk:
+        body["usage"] = usage.model_dump() if usage else None
+    return body
+
+
+def chat_body(rid: str, model: str, choices: list[dict], usage: Usage | None, *, chunk: bool,
+              fingerprint: str | None = None) -> dict:
+    body = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "system_fingerprint": fingerprint}
+    if usage is not None or not chunk:
+        body["usage"] = usage.model_dump() if usage else None
+    return body

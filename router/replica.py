@@ -1,0 +1,162 @@
+"""The engine deployment: one AsyncEngine per Serve replica, streamed through a DeploymentHandle.
+
+The request crossing the handle is a small dict (see `make_request`); what comes back is one small dict per
+engine delta. Errors that belong to the client (bad input, full queue) come back as a single typed record
+`{"error": kind, ...}` rather than an exception, so that nothing depends on how Ray pickles exception types
+and the ingress can map them straight onto HTTP statuses.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from conveyor.serving.config import EngineConfig
+from conveyor.serving.outputs import RequestOutput, SampledToken
+from conveyor.serving.request import SamplingParams
+from conveyor.serving.scheduler import QueueFullError
+from ray import serve
+
+logger = logging.getLogger(__name__)
+
+ROUTING_PREFIX_CHARS = 2048
+
+
+def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
+                 messages: list[dict[str, str]] | None = None, routing_prefix: str = "") -> dict[str, Any]:
+    """The record the ingress sends. `routing_prefix` is read by the request router (prefix affinity)."""
+    return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
+            "routing_prefix": routing_prefix[:ROUTING_PREFIX_CHARS]}
+
+
+class LatencyWindow:
+    """Samples of one latency over the last `window_s` seconds (bounded), for percentiles on demand."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 10_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, value))
+
+    def percentile(self, q: float, now: float | None = None) -> float:
+        cutoff = (time.monotonic() if now is None else now) - self.window_s
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        values = sorted(v for _, v in self._samples)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+@serve.deployment(name="EngineReplica", max_ongoing_requests=1024, health_check_period_s=5)
+class EngineReplica:
+    def __init__(self, engine_config: EngineConfig, torch_num_threads: int | None = None,
+                 latency_window_s: float = 60.0, model_name: str | None = None) -> None:
+        # torch and the model load here, in the replica process, not when the driver imports this module.
+        import torch
+        from conveyor.serving.async_engine import AsyncEngine
+
+        if torch_num_threads:
+            torch.set_num_threads(torch_num_threads)
+        self.config = engine_config
+        self.engine = AsyncEngine.from_config(engine_config)
+        self._tokenizer = self.engine.tokenizer
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
+        self._ttft = LatencyWindow(latency_window_s)
+        self._itl = LatencyWindow(latency_window_s)
+        # Prometheus metrics (serving/metrics.py): fed on the engine thread after every step, served on
+        # this replica's own port and advertised for service discovery (router/metrics_registry.py).
+        from conveyor.router.metrics_registry import start_replica_endpoint
+        from conveyor.serving.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
+        self.engine.add_step_listener(self.metrics.observe_step)
+        self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        try:
+            prompt = self._prompt(request)
+            stream = self.engine.generate(prompt, request["params"], request.get("request_id"))
+            start = time.monotonic()
+            output = await anext(stream)
+        except QueueFullError as exc:
+            self.metrics.observe_rejected("queue_full")
+            yield {"error": "queue_full", "message": str(exc), "retry_after_s": exc.retry_after_s}
+            return
+        except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError: odd text lands here too
+            self.metrics.observe_rejected("invalid_request")
+            yield {"error": "invalid_request", "message": str(exc)}
+            return
+        # Closing the engine stream aborts the request: this runs when the ingress cancels us (client gone).
+        try:
+            last = time.monotonic()
+            self._ttft.add(last - start)
+            yield self._record(output) | {"replica": self._replica_id}
+            while not output.finished:
+                output = await anext(stream)
+                now = time.monotonic()
+                self._itl.add(now - last)
+                last = now
+                yield self._record(output)
+        finally:
+            if not output.finished:
+                self._num_aborted += 1
+            await stream.aclose()
+
+    def _prompt(self, request: dict[str, Any]) -> str | list[int]:
+        if request.get("messages") is not None:
+            return self.engine.engine.apply_chat_template(request["messages"])
+        return request["prompt"]
+
+    def _record(self, out: RequestOutput) -> dict[str, Any]:
+        record: dict[str, Any] = {"text": out.delta_text, "num_tokens": len(out.delta_token_ids),
+                                  "prompt_tokens": out.num_prompt_tokens}
+        if out.finished:
+            record["finish_reason"] = out.finish_reason
+            record["cached_tokens"] = out.num_cached_tokens
+        if out.delta_logprobs is not None:
+            record["logprobs"] = [self._logprob_entry(s) for s in out.delta_logprobs]
+        return record
+
+    def _logprob_entry(self, sampled: SampledToken) -> dict[str, Any]:
+        top = sampled.top_logprobs or {}
+        return {"token": self._tokenizer.decode([sampled.token_id]), "logprob": sampled.logprob,
+                "top": [(self._tokenizer.decode([tid]), lp) for tid, lp in top.items()]}
+
+    # ---- what Serve and the routing/autoscaling policies read ---------------------------------------
+    def record_routing_stats(self) -> dict[str, Any]:
+        load = self.engine.load()
+        sched = self.config.scheduler
+        return {"num_waiting": load.num_waiting, "num_running": load.num_running,
+                "kv_cache_usage": load.kv_cache_usage, "max_num_seqs": sched.max_num_seqs,
+                "max_waiting_requests": sched.max_waiting_requests}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        load = self.engine.load()
+        return {"num_waiting": float(load.num_waiting), "num_running": float(load.num_running),
+                "kv_cache_usage": float(load.kv_cache_usage), "ttft_p99_s": self._ttft.percentile(0.99),
+                "itl_p99_s": self._itl.percentile(0.99)}
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive():
+            raise RuntimeError("engine thread is not running")
+
+    def engine_state(self) -> dict[str, int]:
+        """Block accounting, for tests: a finished or aborted request must hold no blocks."""
+        kv = self.engine.engine.kv_cache
+        load = self.engine.load()
+        return {"num_block_tables": len(kv.block_tables), "num_free_blocks": kv.num_free_blocks,
+                "num_blocks": kv.num_blocks, "num_waiting": load.num_waiting, "num_running": load.num_running,
+                "num_aborted": self._num_aborted}
+
+    def __del__(self) -> None:
+        endpoint = getattr(self, "_metrics_endpoint", None)
+        if endpoint is not None:
+            endpoint.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

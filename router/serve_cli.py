@@ -1,0 +1,91 @@
+"""`conveyor serve`: an embedded local Ray, the Conveyor application on host:port, in the foreground.
+
+Settings come from, in rising precedence: ServeArgs defaults, `--config FILE` (a mapping of ServeArgs, or a
+whole Serve config such as deploy/serve.yaml, whose first application's args are used), $CONVEYOR_API_KEY,
+then the flags given on the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("conveyor.serve")
+logger.setLevel(logging.INFO)  # where we listen is always worth a line, even without -v
+
+APP_NAME = "conveyor"
+SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--config", type=Path, default=None, help="YAML file: ServeArgs or a Serve config")
+    parser.add_argument("--num-replicas", type=int, default=1)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine replica")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine replica")
+    parser.add_argument("--max-waiting-requests", type=int, default=256)
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY)")
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if "applications" in data:  # a full Serve config (deploy/serve.yaml): take the first app's args
+        return dict(data["applications"][0].get("args") or {})
+    return dict(data)
+
+
+def serve_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Merge config file and flags. A flag overrides the file only when it differs from its default."""
+    merged = load_config_file(args.config) if args.config else {}
+    if os.environ.get("CONVEYOR_API_KEY"):
+        merged["api_key"] = os.environ["CONVEYOR_API_KEY"]
+    for dest, value in vars(args).items():
+        if dest in SERVE_ONLY_FLAGS or value == parser.get_default(dest):
+            continue
+        merged[dest] = value  # flag dests are ServeArgs field names
+    return merged
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster: no token auth
+    import ray
+    from conveyor.router.app import ServeArgs, build_app
+    from ray import serve
+
+    cfg = ServeArgs.model_validate(serve_args_from(args, parser))  # fail on bad settings before Ray starts
+    started = time.monotonic()
+    # Logical CPUs: let the requested replicas fit even where they oversubscribe a small machine.
+    num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    # SIGTERM (docker stop, kill) takes the same clean path as Ctrl-C, also while the model is loading.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        logger.info("deploying %s (%d replica(s), %s CPU / %s GPU each)...", cfg.model, cfg.num_replicas,
+                    cfg.num_cpus, cfg.num_gpus)
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
+        logger.info("Conveyor is serving %r at http://%s:%d (OpenAI API under /v1), ready in %.1fs; "
+                    "Ctrl-C to stop", cfg.served_model_name or cfg.model, args.host, args.port,
+                    time.monotonic() - started)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

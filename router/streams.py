@@ -1,0 +1,159 @@
+"""Replica streams through the handle: start (retry on a dead replica, typed errors), merge choices, SSE."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.router.errors import ApiError
+from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
+from ray.exceptions import ObjectLostError, RayActorError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.responses import StreamingResponse
+
+logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
+
+# The replica died or vanished before it answered: safe to send the request elsewhere, nothing was streamed.
+RETRYABLE = (RayActorError, ReplicaUnavailableError, ObjectLostError)
+MAX_ATTEMPTS = 2
+
+
+@dataclass
+class StartedStream:
+    """A replica stream whose first record has arrived (so the request is admitted and has a token)."""
+
+    first: dict[str, Any]
+    gen: DeploymentResponseGenerator
+
+    async def records(self) -> AsyncIterator[dict[str, Any]]:
+        yield self.first
+        if self.first.get("finish_reason") is None:
+            async for record in self.gen:
+                yield record
+
+    def cancel(self) -> None:
+        # Cancels the replica's generator; its `finally` closes the engine stream, which aborts the request.
+        self.gen.cancel()
+
+
+async def start_stream(handle: DeploymentHandle, request: dict[str, Any],
+                       wait_timeout_s: float) -> StartedStream:
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        gen = handle.options(stream=True).generate.remote(request)
+        try:
+            await _wait_assigned(gen, wait_timeout_s)
+            first = await gen.__anext__()
+        except RETRYABLE as exc:
+            gen.cancel()
+            if attempt == MAX_ATTEMPTS:
+                raise ApiError.unavailable(f"no replica could serve the request: {exc}") from None
+            logger.warning("replica failed before streaming (%r); retrying on another replica", exc)
+            continue
+        except BackPressureError as exc:
+            gen.cancel()
+            raise ApiError.too_many(f"server is at capacity: {exc.message}",
+                                    exc.retry_after_s or 1.0) from None
+        except BaseException:  # client gone (CancelledError) or an unexpected failure: free the replica
+            gen.cancel()
+            raise
+        return StartedStream(_raise_if_error(first), gen)
+    raise AssertionError("unreachable")
+
+
+def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:
+    kind = record.get("error")
+    if kind is None:
+        return record
+    if kind == "queue_full":
+        raise ApiError.too_many(f"server is at capacity: {record['message']}",
+                                record.get("retry_after_s", 1.0))
+    if kind == "invalid_request":
+        raise ApiError.invalid(record["message"], param="prompt", code="invalid_prompt")
+    raise ApiError.server(record.get("message", "replica error"))
+
+
+async def _wait_assigned(gen: DeploymentResponseGenerator, timeout_s: float) -> None:
+    """503 when no replica takes the request in time (none running yet, or all gone).
+
+    Uses the handle's assignment future (a private hook, hence the guard): the first record alone cannot
+    tell "no replica" from "queued behind a long prefill".
+    """
+    fetch = getattr(gen, "_fetch_future_result_async", None)
+    if fetch is None:
+        return
+    try:
+        await asyncio.wait_for(fetch(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError.unavailable(f"no replica became ready within {timeout_s:.0f}s") from None
+
+
+async def merge_records(streams: list[StartedStream]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(choice position, record) from every stream as they come; the first failure is raised."""
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async for record in streams[0].records():
+            yield 0, record
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: StartedStream) -> None:
+        try:
+            async for record in stream.records():
+                queue.put_nowait((i, record))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse_body(started: list[StartedStream], states: list[ChoiceState],
+                    fmt: ChatFormat | CompletionFormat, include_usage: bool) -> AsyncIterator[bytes]:
+    seen: set[int] = set()
+    try:
+        async for i, record in merge_records(started):
+            states[i].update(record)
+            for chunk in fmt.chunk(states[i], record, first=i not in seen):
+                yield sse(chunk)
+            seen.add(i)
+        if include_usage:
+            yield sse(fmt.usage_chunk(usage_of(states)))
+    except Exception as exc:  # a replica died mid-stream: say so, then end the stream cleanly
+        logger.warning("stream cut mid-way: %r", exc)
+        error = ApiError.server("the replica serving this stream failed; the output is incomplete")
+        yield sse({"error": error.info.model_dump()})
+    finally:
+        for s in started:  # also runs when the client disconnects: aborts the engine requests
+            s.cancel()
+    yield sse("[DONE]")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Close the body generator when the response ends for any reason (client disconnect included), so
+    its `finally` cancels the replica streams at once instead of whenever the generator is collected."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except RuntimeError:  # already running/closing: its own finally is taking care of it
+                    pass

@@ -1,0 +1,119 @@
+"""The autoscaling decision on synthetic inputs, and the Serve-facing wrapper on synthetic contexts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from conveyor.router.autoscaling import (
+    STATE_CALM_SINCE,
+    PolicyInputs,
+    PolicyParams,
+    QueueAndLatencyPolicy,
+    decide,
+)
+
+P = PolicyParams(target_queue_per_replica=4, ttft_p99_slo_s=1.0, itl_p99_slo_s=0.1, min_replicas=1,
+                 max_replicas=6, scale_in_ratio=0.5, scale_in_sustain_s=10.0)
+TICK = 0.1  # the ServeController calls the policy about every 0.1 s
+
+
+def simulate(load: list[float], params: PolicyParams = P, ttft: list[float] | None = None,
+             start_replicas: int = 1) -> list[int]:
+    """A crude plant: `load` waiting requests spread over the replicas; capacity arrives at once."""
+    replicas, state, history = start_replicas, {}, []
+    for i, waiting in enumerate(load):
+        t = ttft[i] if ttft else 0.2
+        inputs = PolicyInputs(now=i * TICK, current_replicas=replicas, target_replicas=replicas,
+                              num_waiting=waiting, num_running=replicas * 2 if waiting else 0,
+                              ttft_p99_s=t, itl_p99_s=0.02)
+        replicas, state = decide(inputs, state, params)
+        history.append(replicas)
+    return history
+
+
+def test_burst_scales_out_proportionally_but_at_most_doubling() -> None:
+    out = simulate([40.0] * 3)  # 40 waiting vs 4 per replica: wants 10, capped by doubling, then max
+    assert out == [2, 4, 6]
+
+
+def test_steady_load_in_band_holds() -> None:
+    # 3 waiting per replica on 2 replicas: under target (4) but not comfortably (< 2): no change.
+    assert set(simulate([6.0] * 500, start_replicas=2)) == {2}
+
+
+def test_idle_scales_in_one_at_a_time_after_sustained_calm() -> None:
+    out = simulate([0.0] * 400, start_replicas=4)  # 40 s of nothing
+    changes = [i for i in range(1, len(out)) if out[i] != out[i - 1]]
+    assert out[-1] == 1 and sorted(set(out), reverse=True) == [4, 3, 2, 1]
+    gaps = [b - a for a, b in zip([0] + changes[:-1], changes, strict=True)]
+    assert all(g * TICK >= P.scale_in_sustain_s - TICK for g in gaps), gaps
+
+
+def test_idle_ignores_stale_latency() -> None:
+    # p99 from a minute ago is over the SLO, but nothing is running: scale in anyway.
+    out = simulate([0.0] * 300, ttft=[5.0] * 300, start_replicas=3)
+    assert out[-1] == 1
+
+
+def test_latency_breach_alone_scales_out() -> None:
+    out = simulate([1.0] * 5, ttft=[2.5] * 5)
+    assert out[0] == 2 and max(out) == 6  # one more per tick (the plant never improves latency)
+
+
+def test_flapping_input_never_scales_in() -> None:
+    # The queue alternates between breaching and empty every tick for a minute: the fleet grows to cover the
+    # peaks and never shrinks, because calm is never sustained.
+    load = [12.0 if i % 2 == 0 else 0.0 for i in range(600)]
+    out = simulate(load, start_replicas=1)
+    assert all(b >= a for a, b in zip(out[:-1], out[1:], strict=True))
+    assert out[-1] == 3
+    changes = sum(1 for a, b in zip(out[:-1], out[1:], strict=True) if a != b)
+    assert changes <= 2
+
+
+def test_slow_oscillation_scales_in_only_when_calm_lasts() -> None:
+    # 5 s busy / 5 s idle: calm never lasts 10 s, so no scale-in; then a long idle period scales in.
+    load = ([12.0] * 50 + [0.0] * 50) * 4 + [0.0] * 400
+    out = simulate(load)
+    assert max(out[:400]) == min(out[50:400]) == 3
+    assert out[-1] == 1
+
+
+def test_scale_in_refuses_when_fewer_replicas_would_breach() -> None:
+    # 2 replicas, 3 waiting: comfortably under (0.375 < 0.5) but with 1 replica it would be 0.75: hold.
+    assert set(simulate([3.0] * 300, start_replicas=2)) == {2}
+
+
+def test_respects_min_and_max() -> None:
+    p = PolicyParams(target_queue_per_replica=1, min_replicas=2, max_replicas=3)
+    assert set(simulate([100.0] * 20, params=p, start_replicas=2)) == {3}
+    assert simulate([0.0] * 300, params=p, start_replicas=3)[-1] == 2
+
+
+def test_holds_target_while_scale_out_is_in_progress() -> None:
+    # Serve already targets 4 but only 2 run: the policy must not return less than 4 (that would start
+    # Serve's scale-in timer while replicas are still starting).
+    inputs = PolicyInputs(now=0, current_replicas=2, target_replicas=4, num_waiting=9, num_running=4)
+    assert decide(inputs, {}, P)[0] == 4
+    calm = PolicyInputs(now=0, current_replicas=2, target_replicas=4, num_waiting=0, num_running=0)
+    target, state = decide(calm, {}, P)
+    assert target == 4 and state[STATE_CALM_SINCE] is None
+
+
+def _ctx(current: int, waiting: dict[str, float], ttft: dict[str, float], state: dict | None = None):
+    metrics = {"num_waiting": waiting, "num_running": {k: 1.0 for k in waiting}, "ttft_p99_s": ttft,
+               "itl_p99_s": {k: 0.01 for k in waiting}, "kv_cache_usage": {k: 0.1 for k in waiting}}
+    return SimpleNamespace(config=SimpleNamespace(min_replicas=1, max_replicas=5),
+                           current_num_replicas=current, target_num_replicas=current,
+                           aggregated_metrics=metrics, total_queued_requests=0,
+                           policy_state=state or {}, current_time=1000.0, app_name="unit")
+
+
+def test_policy_reads_serve_context() -> None:
+    policy = QueueAndLatencyPolicy(target_queue_per_replica=2, ttft_p99_slo_s=1.0, itl_p99_slo_s=0.5,
+                                   report_to_registry=False)
+    target, _ = policy(_ctx(2, {"a": 5.0, "b": 4.0}, {"a": 0.1, "b": 0.2}))
+    assert target == 4  # 9 waiting / 2 per replica -> 5, capped at doubling
+    target, _ = policy(_ctx(2, {"a": 0.0, "b": 1.0}, {"a": 0.1, "b": 1.5}))  # one replica's p99 breaches
+    assert target == 3
+    inputs = policy.inputs_from_context(_ctx(1, {}, {}))
+    assert inputs.ttft_p99_s is None and inputs.num_waiting == 0

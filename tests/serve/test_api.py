@@ -1,0 +1,172 @@
+"""The OpenAI-compatible API against one tiny-model deployment: the official client, streaming, bad inputs,
+and a client that disconnects mid-stream."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.serve.conftest import deploy, engine_state, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+APP = "conveyor-test-api"
+PREFIX = "/api"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_cluster: str, tiny_model_dir) -> Iterator[str]:
+    args = {"model": str(tiny_model_dir), "served_model_name": MODEL, "num_kv_blocks": 64, "max_num_seqs": 8,
+            "torch_num_threads": 1, "request_router_class": None}
+    with deploy(args, APP, PREFIX):
+        yield serve_cluster + PREFIX
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_completions_plain_and_streamed_agree(client: OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    assert full.object == "text_completion" and full.model == MODEL
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_plain_and_streamed_with_usage(client: OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is Paris?"}]
+    kwargs = dict(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    usage_on = {"include_usage": True}
+    chunks = list(client.chat.completions.create(stream=True, stream_options=usage_on, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_models_list_health_and_metrics(client: OpenAI, base_url: str) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+    metrics = httpx.get(base_url + "/metrics", timeout=10)
+    assert metrics.status_code == 200 and "python_info" in metrics.text
+
+
+def test_n_seeds_logprobs_and_token_prompts(client: OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt=["Paris is", "The fox"], n=3, max_tokens=5,
+                                    temperature=1.0, seed=7, logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert all(len(c.logprobs.tokens) == 5 and len(c.logprobs.top_logprobs[0]) <= 2 for c in out.choices)
+    again = client.completions.create(model=MODEL, prompt=["Paris is", "The fox"], n=3, max_tokens=5,
+                                      temperature=1.0, seed=7, logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seed + i: reproducible
+    assert len({c.text for c in out.choices[:3]}) > 1  # ...and distinct across the n choices
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=2)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 6
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def _post(base_url: str, path: str, body: bytes | dict, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(base_url + path, content=content, timeout=30,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+OK = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+BAD_INPUTS = {
+    "malformed_json": (b'{"prompt": "hi", ', 400, "invalid_json"),
+    "not_an_object": (b'["hi"]', 400, "invalid_json"),
+    "invalid_utf8": (b'{"prompt": "\xff\xfe"}', 400, "invalid_encoding"),
+    "prompt_wrong_type": ({**OK, "prompt": 12}, 400, "invalid_value"),
+    "max_tokens_wrong_type": ({**OK, "max_tokens": "many"}, 400, "invalid_value"),
+    "max_tokens_negative": ({**OK, "max_tokens": -5}, 400, "invalid_value"),
+    "max_tokens_huge": ({**OK, "max_tokens": 10**12}, 400, "invalid_value"),
+    "max_tokens_beyond_context": ({**OK, "max_tokens": 5000}, 400, "invalid_prompt"),
+    "temperature_negative": ({**OK, "temperature": -0.1}, 400, "invalid_value"),
+    "top_p_zero": ({**OK, "top_p": 0.0}, 400, "invalid_value"),
+    "top_p_above_one": ({**OK, "top_p": 1.5}, 400, "invalid_value"),
+    "unknown_model": ({**OK, "model": "gpt-7"}, 400, "model_not_found"),
+    "empty_prompt": ({**OK, "prompt": ""}, 400, "invalid_prompt"),
+    "empty_prompt_list": ({**OK, "prompt": []}, 400, "invalid_value"),
+    "prompt_beyond_context": ({**OK, "prompt": "hello world " * 400}, 400, "invalid_prompt"),
+    "token_id_out_of_vocab": ({**OK, "prompt": [1, 10**6]}, 400, "invalid_prompt"),
+    "n_too_large": ({**OK, "n": 100}, 400, "invalid_value"),
+    "too_many_stops": ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
+    "body_10mb": (b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, "request_too_large"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_gets_openai_error(base_url: str, case: str) -> None:
+    body, status, code = BAD_INPUTS[case]
+    resp = _post(base_url, "/v1/completions", body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == code and error["message"] and "type" in error
+
+
+def test_chat_bad_inputs_and_server_keeps_serving(base_url: str, client: OpenAI) -> None:
+    bad_chats = [{"model": MODEL, "messages": []},
+                 {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50,
+                  "logprobs": True}]
+    for body in bad_chats:
+        resp = _post(base_url, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"], resp.text
+    assert httpx.get(base_url + "/v1/nope", timeout=10).status_code == 404
+    out = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
+    assert out.choices[0].text is not None
+    state = engine_state(APP)
+    assert state["num_block_tables"] == 0 and state["num_running"] == 0
+
+
+def test_first_chunk_is_not_buffered(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    first_at = None
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = []
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                first_at = first_at or time.monotonic() - start
+                lines.append(line)
+    total = time.monotonic() - start
+    assert lines[-1] == "data: [DONE]" and len(lines) == 401
+    assert first_at < 0.5 * total, (first_at, total)
+
+
+def test_disconnect_mid_stream_frees_blocks(base_url: str) -> None:
+    before = engine_state(APP)
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            assert next(lines).startswith("data:")
+            next(lines)  # the blank line between events
+        assert engine_state(APP)["num_block_tables"] == 1
+    # Leaving the `with` closed the connection: the proxy, ingress and replica must all let go.
+    state = wait_until(lambda: (s := engine_state(APP))["num_block_tables"] == 0 and s, 15,
+                       "the aborted request to free its blocks")
+    assert state["num_free_blocks"] == state["num_blocks"]
+    assert state["num_aborted"] == before["num_aborted"] + 1
