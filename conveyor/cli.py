@@ -19,6 +19,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--itl-slo-ms", type=float, default=None,
+                        help="tail-latency mode: size each step to keep inter-token latency under this target")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
@@ -30,7 +32,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling),
+                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
+                                  itl_slo_ms=args.itl_slo_ms),
         attention_backend=args.attention_backend)
 
 

@@ -32,8 +32,17 @@ class SchedulerConfig:
     # "continuous" (iteration-level) or "static" (the baseline: a batch runs until its longest member ends).
     scheduling: str = "continuous"
     enable_chunked_prefill: bool = True
+    # Tail-latency mode: size every step's token budget so its predicted time stays under this inter-token
+    # latency target (measured online), admitting prefill chunks only with the slack. None: fixed budget.
+    itl_slo_ms: float | None = None
+    # Aim the predicted step at this fraction of the SLO: steps vary, and the SLO is on the p99.
+    slo_headroom: float = 0.8
 
     def __post_init__(self) -> None:
+        if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
+            raise ValueError("itl_slo_ms must be > 0")
+        if not 0.0 < self.slo_headroom <= 1.0:
+            raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:

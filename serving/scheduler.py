@@ -8,6 +8,10 @@ from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus
+from conveyor.serving.step_cost import StepCostModel
+
+# Token budget while the step-cost model is still learning (tail-latency mode only): small and safe.
+COLD_START_BUDGET = 64
 
 
 class QueueFullError(RuntimeError):
@@ -31,6 +35,7 @@ class Scheduler:
         self._num_waiting_tokens = 0
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
+        self.step_cost = StepCostModel()
 
     # ---- queue state -------------------------------------------------------------------------------
     @property
@@ -72,7 +77,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget()
         scheduled: dict[str, ScheduledChunk] = {}
         # Decodes first: they are one token each and every running stream is waiting on its next token.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -93,6 +98,22 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         out.chunks = list(scheduled.values())
         return out
+
+    def token_budget(self) -> int:
+        """This step's token budget: fixed, or in tail-latency mode what the step-cost model says fits the
+        ITL target. Running decodes always fit: starving a stream would hurt its latency more."""
+        limit = self.config.max_num_batched_tokens
+        if self.config.itl_slo_ms is None:
+            return limit
+        if not self.step_cost.ready:
+            return min(limit, max(COLD_START_BUDGET, len(self.running)))
+        target_s = self.config.itl_slo_ms / 1000 * self.config.slo_headroom
+        num_seqs = len(self.running) + (1 if self.waiting else 0)
+        return min(limit, max(self.step_cost.max_tokens_within(target_s, num_seqs), len(self.running), 1))
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        if num_tokens:
+            self.step_cost.observe(num_tokens, num_seqs, seconds)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

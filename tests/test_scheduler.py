@@ -188,3 +188,34 @@ def test_static_and_continuous_produce_the_same_tokens_continuous_in_fewer_steps
     continuous_steps, continuous_out = run(False)
     assert static_out == continuous_out
     assert continuous_steps < static_steps
+
+
+def test_step_cost_model_recovers_a_linear_cost():
+    from conveyor.serving.step_cost import StepCostModel
+
+    model = StepCostModel()
+    for i in range(200):
+        tokens, seqs = 1 + (i * 37) % 300, 1 + i % 16
+        model.observe(tokens, seqs, 0.010 + 0.0002 * tokens + 0.001 * seqs)
+    assert abs(model.predict(100, 8) - (0.010 + 0.02 + 0.008)) < 1e-3
+    assert abs(model.max_tokens_within(0.050, 8) - 160) <= 2
+
+
+def test_tail_latency_mode_sizes_the_budget_from_measured_step_cost():
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=512, itl_slo_ms=50.0, slo_headroom=1.0)
+    runner = FakeRunner()
+    for i in range(4):
+        scheduler.add_request(make_request(f"s{i}", 8, 500, first_token=i))
+    assert scheduler.token_budget() == 64  # cold start: small until the cost is known
+    # Pretend the hardware costs 10 ms + 0.25 ms per token: 50 ms fits 160 tokens.
+    for _ in range(20):
+        sched, _ = step(scheduler, runner)
+        scheduler.observe_step(sched.num_scheduled_tokens, len(sched.chunks),
+                               0.010 + 0.00025 * sched.num_scheduled_tokens)
+    scheduler.add_request(make_request("long", 1000, 2))
+    budget = scheduler.token_budget()
+    assert 150 <= budget <= 165
+    sched, _ = step(scheduler, runner)
+    assert sched.num_scheduled_tokens == budget
+    decodes = [c for c in sched.chunks if c.request.request_id != "long"]
+    assert len(decodes) == 4 and all(c.num_tokens == 1 for c in decodes)
