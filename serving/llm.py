@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.outputs import RequestOutput, SampledToken
-from conveyor.serving.request import SamplingParams
+from conveyor.serving.request import Request, SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
 Prompt = str | list[int]
@@ -52,12 +52,17 @@ class LLM:
         # Validate everything first, so a bad prompt rejects the call before any work starts.
         requests = [self.engine.make_request(p, sp, self._new_id()) for p, sp in zip(prompts, params_list)]
         finals: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[SampledToken]] = {r.request_id: [] for r in requests}
         pending = list(requests)
         while pending or self.engine.has_unfinished():
             pending = self._add_while_room(pending)
             outputs, _ = self.engine.step()
-            finals.update((o.request_id, o) for o in outputs if o.finished)
-        return [self._result(r.request_id, r.prompt_token_ids, finals[r.request_id]) for r in requests]
+            for out in outputs:
+                if out.delta_logprobs:
+                    logprobs[out.request_id].extend(out.delta_logprobs)
+                if out.finished:
+                    finals[out.request_id] = out
+        return [self._result(r, finals[r.request_id], logprobs[r.request_id] or None) for r in requests]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
@@ -89,6 +94,6 @@ class LLM:
         return f"llm-{self._next_id}"
 
     @staticmethod
-    def _result(request_id: str, prompt_ids: list[int], final: RequestOutput) -> GenerationResult:
-        return GenerationResult(request_id, prompt_ids, final.text, list(final.token_ids), final.finish_reason,
-                                num_cached_tokens=final.num_cached_tokens)
+    def _result(request: Request, final: RequestOutput, logprobs: list[SampledToken] | None) -> GenerationResult:
+        return GenerationResult(request.request_id, request.prompt_token_ids, final.text, list(final.token_ids),
+                                final.finish_reason, logprobs, final.num_cached_tokens)

@@ -151,3 +151,15 @@ def test_async_engine_refuses_past_the_queue_bound(tiny_model_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_logprobs_are_returned_per_generated_token(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    result = llm.generate("The quick", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
+                                                      ignore_eos=True))[0]
+    assert result.logprobs is not None and len(result.logprobs) == 4
+    for token_id, entry in zip(result.token_ids, result.logprobs):
+        assert entry.token_id == token_id and entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the sampled token is the most likely one.
+        assert max(entry.top_logprobs.values()) == pytest.approx(entry.logprob)
