@@ -235,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from conveyor.router.app import build_app
     from ray import serve
     from ray.serve.api import _run
+
+    from conveyor.router.app import build_app
 
     ray.init(num_cpus=args.max_replicas + 1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})

@@ -108,6 +108,7 @@ def decode_fns(torch, inputs: dict, context: int, backends: list[str]) -> dict[s
 
 def time_decode(torch, copy_bps: float, quick: bool) -> list[dict]:  # noqa: ANN001
     import triton.testing
+
     from conveyor.kernels import ops
 
     heads, kv_heads, head_dim, block_size, dtype = 32, 8, 128, 16, torch.bfloat16

@@ -38,6 +38,7 @@ async def http_once(client, url: str, model: str) -> float:  # noqa: ANN001
 
 async def measure(engine, url: str, model: str, n: int) -> tuple[list[float], list[float]]:  # noqa: ANN001
     import httpx
+
     from conveyor.serving.request import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -62,10 +63,11 @@ def main() -> None:
 
     import ray
     import torch
+    from ray import serve
+
     from conveyor.router.app import build_app
     from conveyor.serving.async_engine import AsyncEngine
     from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig
-    from ray import serve
 
     torch.set_num_threads(args.threads)
     engine = AsyncEngine.from_config(EngineConfig(model=ModelConfig(model=args.model),

@@ -19,6 +19,7 @@ import warnings
 from types import ModuleType
 
 import torch
+
 from conveyor.kernels import reference, torch_native
 
 BACKENDS = ("reference", "torch", "triton", "cuda", "flash")

@@ -151,4 +151,4 @@ class LLMEngine:
             finished=request.is_finished, finish_reason=request.status.finish_reason,
             delta_logprobs=[sampled] if request.sampling_params.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens, arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time)
+            first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time)

@@ -50,7 +50,7 @@ class LLM:
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         # Validate everything first, so a bad prompt rejects the call before any work starts.
-        requests = [self.engine.make_request(p, sp, self._new_id()) for p, sp in zip(prompts, params_list)]
+        requests = [self.engine.make_request(p, sp, self._new_id()) for p, sp in zip(prompts, params_list, strict=True)]
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[SampledToken]] = {r.request_id: [] for r in requests}
         pending = list(requests)

@@ -15,8 +15,9 @@ import logging
 import time
 from collections.abc import Iterable
 
-from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from prometheus_client import Counter, Gauge, Histogram
+
+from conveyor.serving.outputs import EngineStepStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,8 @@ class EngineMetrics:
         if last is None:  # first token of this request
             first = out.first_token_time if out.first_token_time is not None else now
             self._ttft.observe(max(0.0, first - out.arrival_time))
-            self._queue.observe(max(0.0, first - step_time_s - out.arrival_time))
+            scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else first - step_time_s
+            self._queue.observe(max(0.0, scheduled - out.arrival_time))
             self._prompt.inc(out.num_prompt_tokens)
         else:
             self._itl.observe(max(0.0, now - last))

@@ -35,9 +35,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[logits_indices])
         params = [c.request.sampling_params for c in sampling_chunks]
-        generators = [self._generator_for(c.request.request_id, p.seed) for c, p in zip(sampling_chunks, params)]
+        generators = [self._generator_for(c.request.request_id, c.request.sampling_params.seed)
+                      for c in sampling_chunks]
         sampled = self.sampler(logits, params, generators)
-        return ModelRunnerOutput({c.request.request_id: s for c, s in zip(sampling_chunks, sampled)})
+        return ModelRunnerOutput({c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)})
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

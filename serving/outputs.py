@@ -87,4 +87,5 @@ class RequestOutput:
     delta_logprobs: list[SampledToken] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None

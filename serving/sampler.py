@@ -7,9 +7,11 @@ neighbours or its row position; everything else is vectorized across rows.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from conveyor.serving.outputs import SampledToken
 from conveyor.serving.request import SamplingParams
-from torch import Tensor
+
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A per-request generator; it must live on the device the logits are on."""

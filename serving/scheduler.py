@@ -2,6 +2,7 @@
 preemption by recompute. No torch here."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from conveyor.serving.config import SchedulerConfig
@@ -92,7 +93,8 @@ class Scheduler:
             block_ids = self._allocate_or_preempt(request, num_new, scheduled, out)
             if block_ids is None:
                 continue
-            scheduled[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
+            chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
+            scheduled[request.request_id] = chunk
             budget -= num_new
         if not out.preempted_ids:
             budget = self._admit_waiting(budget, scheduled)
@@ -172,6 +174,8 @@ class Scheduler:
             self.waiting.popleft()
             self._num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self.running.append(request)

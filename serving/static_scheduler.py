@@ -6,6 +6,8 @@ joins a batch while any member still runs, and a batch is admitted only if every
 """
 from __future__ import annotations
 
+import time
+
 from conveyor.serving.kv_cache_manager import cdiv
 from conveyor.serving.outputs import ScheduledChunk
 from conveyor.serving.request import Request, RequestStatus
@@ -26,6 +28,8 @@ class StaticScheduler(Scheduler):
             self.waiting.popleft()
             self._num_waiting_tokens -= request.num_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = request.num_cached_tokens = 0
             self.running.append(request)
         for request in self.running:

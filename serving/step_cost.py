@@ -20,7 +20,7 @@ def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
         for r in range(3):
             if r != col:
                 f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
     return [a[i][3] / a[i][i] for i in range(3)]
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conveyor.serving.detokenizer import IncrementalDetokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from conveyor.serving.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld 日本語 🙂",

@@ -37,7 +37,7 @@ def expected(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=4)
     prompt_ids = [llm.engine.tokenize(p) for p in PROMPTS]
     lengths = [12 + 5 * i for i in range(len(PROMPTS))]
-    return prompt_ids, lengths, [hf_greedy(tiny_model_dir, ids, n) for ids, n in zip(prompt_ids, lengths)]
+    return prompt_ids, lengths, [hf_greedy(tiny_model_dir, ids, n) for ids, n in zip(prompt_ids, lengths, strict=True)]
 
 
 @pytest.mark.parametrize("engine_kwargs", [
@@ -158,7 +158,7 @@ def test_logprobs_are_returned_per_generated_token(tiny_model_dir):
     result = llm.generate("The quick", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
                                                       ignore_eos=True))[0]
     assert result.logprobs is not None and len(result.logprobs) == 4
-    for token_id, entry in zip(result.token_ids, result.logprobs):
+    for token_id, entry in zip(result.token_ids, result.logprobs, strict=True):
         assert entry.token_id == token_id and entry.logprob <= 0.0
         assert len(entry.top_logprobs) == 3
         # Greedy: the sampled token is the most likely one.

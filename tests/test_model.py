@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.models.llama import LlamaForCausalLM
 from conveyor.serving.models.loader import load_model, resolve_model_path
@@ -213,8 +214,9 @@ def test_rejects_unsupported_rope():
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers():
-    from conveyor.serving.models.hub import ModelDownloadError
     from transformers import AutoModelForCausalLM
+
+    from conveyor.serving.models.hub import ModelDownloadError
 
     try:
         path = resolve_model_path("smollm2")

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.sampler import Sampler, make_generator
 

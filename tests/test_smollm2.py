@@ -45,7 +45,7 @@ def reference(model_dir, chat_prompts):
     # A plain greedy loop: generate() with min_new_tokens would mask EOS, while ignore_eos only keeps going.
     out = []
     with torch.no_grad():
-        for ids, n in zip(chat_prompts, NUM_TOKENS):
+        for ids, n in zip(chat_prompts, NUM_TOKENS, strict=True):
             step = model(torch.tensor([ids]), use_cache=True)
             tokens = [int(step.logits[0, -1].argmax())]
             while len(tokens) < n:

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from conveyor.serving.attention import AttentionMetadata, PagedAttention
 from torch import Tensor, nn
+
+from conveyor.serving.attention import AttentionMetadata, PagedAttention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

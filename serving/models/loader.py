@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+
 from conveyor.serving.models.hub import (
     SMOLLM2_ALIASES,
     cache_dir,
@@ -16,7 +18,6 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.llama import LlamaForCausalLM
-from safetensors import safe_open
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

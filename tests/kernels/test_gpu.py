@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conveyor.kernels import ops, reference
 
+from conveyor.kernels import ops, reference
 from tests.kernels.cases import MIXED_SPECS, TOL, make_case, make_kv_write, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

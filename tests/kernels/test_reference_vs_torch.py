@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conveyor.kernels import ops, reference, torch_native
 
+from conveyor.kernels import ops, reference, torch_native
 from tests.kernels.cases import DECODE_SPECS, MIXED_SPECS, TOL, make_case, make_kv_write, rel_err
 
 GQA = [(4, 4), (4, 2), (8, 2)]  # (H, KVH): ratios 1, 2, 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conveyor.kernels import reference
 
+from conveyor.kernels import reference
 from tests.kernels.cases import DECODE_SPECS, MIXED_SPECS, TOL, make_case, make_kv_write, rel_err
 
 triton_attention = pytest.importorskip("conveyor.kernels.triton_attention")
