@@ -11,13 +11,14 @@ import importlib
 import logging
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
 from conveyor.router.autoscaling import AutoscalingArgs
 from conveyor.router.ingress import Ingress, IngressSettings
 from conveyor.router.replica import EngineReplica
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class ServeArgs(BaseModel):
     model: str = "smollm2"
     served_model_name: str | None = None  # the id clients send as `model`; default: `model`
     num_replicas: int = Field(1, ge=1)
-    autoscaling_config: dict[str, Any] | None = None  # passed to Serve as is; replaces num_replicas
+    autoscaling_config: dict[str, Any] | None = None  # a raw Serve autoscaling_config, passed as is
     # Conveyor's queue + tail-latency policy (router/autoscaling.py); replaces num_replicas.
     autoscaling: AutoscalingArgs | None = None
     num_cpus: float = Field(1.0, ge=0)
@@ -48,6 +49,7 @@ class ServeArgs(BaseModel):
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
+    itl_slo_ms: float | None = Field(None, gt=0)  # tail-latency mode: step budget sized to this ITL target
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     device: str = "auto"
@@ -66,6 +68,8 @@ class ServeArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_engine(self) -> ServeArgs:
+        if self.autoscaling is not None and self.autoscaling_config is not None:
+            raise ValueError("set either autoscaling (Conveyor's policy) or autoscaling_config, not both")
         self.engine_config()  # the engine's own dataclass checks, at deploy time rather than in a replica
         return self
 
@@ -79,7 +83,8 @@ class ServeArgs(BaseModel):
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, scheduling=self.scheduling,
                                       max_waiting_requests=self.max_waiting_requests,
-                                      max_waiting_tokens=self.max_waiting_tokens),
+                                      max_waiting_tokens=self.max_waiting_tokens,
+                                      itl_slo_ms=self.itl_slo_ms),
             attention_backend=self.attention_backend)
 
     def ingress_settings(self) -> IngressSettings:

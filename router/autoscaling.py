@@ -35,6 +35,7 @@ from ray.serve.autoscaling_policy import PrometheusQueryMixin
 logger = logging.getLogger("ray.serve")
 
 STATE_CALM_SINCE = "conveyor_calm_since"  # when the fleet last became comfortably under every target
+STATE_SCALE_IN_TO = "conveyor_scale_in_to"  # a scale-in we asked for and Serve has not applied yet
 STATE_LAST_REASON = "conveyor_last_reason"
 
 
@@ -80,7 +81,7 @@ def decide(inputs: PolicyInputs, state: dict[str, Any], params: PolicyParams) ->
     itl_ratio = _ratio(inputs.itl_p99_s, params.itl_p99_slo_s, idle)
 
     if queue_ratio > 1.0 or ttft_ratio > 1.0 or itl_ratio > 1.0:
-        state[STATE_CALM_SINCE] = None
+        state[STATE_CALM_SINCE] = state[STATE_SCALE_IN_TO] = None
         want = serving + 1
         if queue_ratio > 1.0:  # enough replicas to bring the queue back to its target
             want = max(want, math.ceil(inputs.num_waiting / params.target_queue_per_replica))
@@ -91,18 +92,28 @@ def decide(inputs: PolicyInputs, state: dict[str, Any], params: PolicyParams) ->
 
     comfortable = max(queue_ratio, ttft_ratio, itl_ratio) < params.scale_in_ratio
     if not comfortable or current != inputs.target_replicas:  # in the band, or still converging: hold
-        state[STATE_CALM_SINCE] = None
+        state[STATE_CALM_SINCE] = state[STATE_SCALE_IN_TO] = None
         return _clamp(base, lo, hi), state
+    pending = state.get(STATE_SCALE_IN_TO)
+    if pending is not None and pending >= inputs.target_replicas:
+        pending = None  # Serve has applied it (the next step down waits for its own calm period)
+    fewer = pending if pending is not None else base - 1
+    # Would the queue still be comfortable with one replica less? If not, removing it would trigger a
+    # scale-out right after: stay.
+    if fewer < lo or inputs.num_waiting / (max(fewer, 1) * params.target_queue_per_replica) >= (
+            params.scale_in_ratio):
+        state[STATE_SCALE_IN_TO] = None
+        return _clamp(base, lo, hi), state
+    if pending is not None:
+        # Keep asking for it: Serve applies a scale-in only after downscale_delay_s of identical answers.
+        return _clamp(pending, lo, hi), state
     since = state.get(STATE_CALM_SINCE)
     if since is None:
         state[STATE_CALM_SINCE] = inputs.now
         return _clamp(base, lo, hi), state
-    fewer = base - 1
-    # Would the queue still be comfortable with one replica less? If not, removing it would trigger a
-    # scale-out right after: stay.
-    if fewer >= lo and inputs.now - since >= params.scale_in_sustain_s and (
-            inputs.num_waiting / (max(fewer, 1) * params.target_queue_per_replica) < params.scale_in_ratio):
-        state[STATE_CALM_SINCE] = inputs.now  # the next step down needs its own calm period
+    if inputs.now - since >= params.scale_in_sustain_s:
+        state[STATE_CALM_SINCE] = None
+        state[STATE_SCALE_IN_TO] = fewer
         state[STATE_LAST_REASON] = "calm"
         return _clamp(fewer, lo, hi), state
     return _clamp(base, lo, hi), state

@@ -1,12 +1,17 @@
 """OpenAI-style errors: one exception type carrying status + body, and the handlers that render it."""
 from __future__ import annotations
 
-from conveyor.router.protocol import ErrorInfo, ErrorResponse
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+
+from conveyor.router.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("ray.serve")
 
 
 class ApiError(Exception):
@@ -66,6 +71,12 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return from_validation(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Still OpenAI JSON, so clients parse it; the details go to the log, not to the client.
+        logger.exception("unhandled error: %r", exc)
+        return ApiError.server("internal server error").response()
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

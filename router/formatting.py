@@ -15,7 +15,6 @@ from conveyor.router.protocol import Usage, chat_body, completion_body
 @dataclass
 class ChoiceState:
     index: int
-    prompt_index: int
     counts_prompt: bool  # n > 1 shares one prompt: count its tokens once in usage
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None

@@ -12,6 +12,12 @@ import json
 import logging
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
 from conveyor.router.errors import ApiError, from_validation, install_handlers
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
 from conveyor.router.protocol import (
@@ -23,17 +29,12 @@ from conveyor.router.protocol import (
 )
 from conveyor.router.replica import make_request
 from conveyor.router.streams import (
-    ClosingStreamingResponse,
+    ReplicaStreamingResponse,
     StartedStream,
     merge_records,
     sse_body,
     start_stream,
 )
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
-from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
 
@@ -94,12 +95,12 @@ class Ingress:
         req = await self._parse(request, CompletionRequest)
         model = self._check_model(req.model)
         n = req.n
-        jobs = [(pi * n + i, pi, i == 0,
-                 make_request(p, req.to_sampling_params(i), new_id("cmpl"),
-                              routing_prefix=p if isinstance(p, str) else ",".join(map(str, p))))
-                for pi, p in enumerate(req.prompts()) for i in range(n)]
+        # Choice k of prompt j is index j * n + k; its prompt tokens count once in usage, not n times.
+        choices = [(ChoiceState(j * n + k, counts_prompt=k == 0),
+                    make_request(p, req.to_sampling_params(k), new_id("cmpl")))
+                   for j, p in enumerate(req.prompts()) for k in range(n)]
         fmt = CompletionFormat(new_id("cmpl"), model)
-        return await self._serve(jobs, fmt, req.stream, req.include_usage)
+        return await self._serve(choices, fmt, req.stream, req.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -107,13 +108,11 @@ class Ingress:
         req = await self._parse(request, ChatCompletionRequest)
         model = self._check_model(req.model)
         messages = req.conversation()
-        # The router only needs a stable key for the shared prefix, not the model's exact template.
-        prefix = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
-        jobs = [(i, 0, i == 0, make_request(None, req.to_sampling_params(i), new_id("chatcmpl"),
-                                            messages=messages, routing_prefix=prefix))
-                for i in range(req.n)]
+        choices = [(ChoiceState(k, counts_prompt=k == 0),
+                    make_request(None, req.to_sampling_params(k), new_id("chatcmpl"), messages=messages))
+                   for k in range(req.n)]
         fmt = ChatFormat(new_id("chatcmpl"), model)
-        return await self._serve(jobs, fmt, req.stream, req.include_usage)
+        return await self._serve(choices, fmt, req.stream, req.include_usage)
 
     # ---- request checks ----------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -161,15 +160,15 @@ class Ingress:
                        code="model_not_found")
 
     # ---- generation --------------------------------------------------------------------------------
-    async def _serve(self, jobs: list[tuple[int, int, bool, dict]], fmt: ChatFormat | CompletionFormat,
+    async def _serve(self, choices: list[tuple[ChoiceState, dict]], fmt: ChatFormat | CompletionFormat,
                      stream: bool, include_usage: bool) -> Response:
-        states = [ChoiceState(index, pi, counts) for index, pi, counts, _ in jobs]
-        started = await self._start_all([job for *_, job in jobs])
+        """Start every choice (errors still become statuses), then stream SSE or answer with one body."""
+        states = [state for state, _ in choices]
+        started = await self._start_all([request for _, request in choices])
         fmt.fingerprint = started[0].first.get("replica")
         if stream:
             body = sse_body(started, states, fmt, include_usage)
-            return ClosingStreamingResponse(body, media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ReplicaStreamingResponse(body, started)
         try:
             async for i, record in merge_records(started):
                 states[i].update(record)

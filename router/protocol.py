@@ -10,8 +10,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from conveyor.serving.request import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from conveyor.serving.request import SamplingParams
 
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
@@ -19,6 +20,16 @@ MAX_CHOICES = 64  # prompts x n of one request: bounds the fan-out a single requ
 MAX_STOP = 4
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _check_text(text: str) -> str:
+    # JSON may carry lone surrogates ("\ud800") that are valid Python str but not UTF-8: the tokenizer would
+    # fail on them deep in a replica, so refuse them here with a clear message.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
 
 
 class _Lenient(BaseModel):
@@ -55,7 +66,7 @@ class _SamplingRequest(_Lenient):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
-        return stops
+        return [_check_text(s) for s in stops]
 
     @property
     def include_usage(self) -> bool:
@@ -82,6 +93,9 @@ class CompletionRequest(_SamplingRequest):
     def _check_prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        for text in [v] if isinstance(v, str) else v:
+            if isinstance(text, str):
+                _check_text(text)
         return v
 
     @model_validator(mode="after")
@@ -109,6 +123,13 @@ class TextPart(_Lenient):
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        for text in [v] if isinstance(v, str) else [p.text for p in v or []]:
+            _check_text(text)
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -7,17 +7,19 @@ and the ingress can map them straight onto HTTP statuses.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray import serve
+
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.outputs import RequestOutput, SampledToken
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
-from ray import serve
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +27,21 @@ ROUTING_PREFIX_CHARS = 2048
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
-                 messages: list[dict[str, str]] | None = None, routing_prefix: str = "") -> dict[str, Any]:
-    """The record the ingress sends. `routing_prefix` is read by the request router (prefix affinity)."""
+                 messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The record the ingress sends: the first positional argument of `generate`.
+
+    `routing_prefix` is what the request router (router/routing.py) reads for prefix affinity. It only needs
+    to be a stable text for a shared prompt prefix: chat messages are rendered with a fixed pseudo-template
+    (the ingress does not load the tokenizer), token-id prompts as their decimal ids.
+    """
+    if messages is not None:
+        prefix = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+    elif isinstance(prompt, str):
+        prefix = prompt
+    else:
+        prefix = ",".join(map(str, prompt or []))
     return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
-            "routing_prefix": routing_prefix[:ROUTING_PREFIX_CHARS]}
+            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS]}
 
 
 class LatencyWindow:
@@ -57,6 +70,7 @@ class EngineReplica:
                  latency_window_s: float = 60.0, model_name: str | None = None) -> None:
         # torch and the model load here, in the replica process, not when the driver imports this module.
         import torch
+
         from conveyor.serving.async_engine import AsyncEngine
 
         if torch_num_threads:
@@ -80,7 +94,8 @@ class EngineReplica:
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
             prompt = self._prompt(request)
-            stream = self.engine.generate(prompt, request["params"], request.get("request_id"))
+            params = self._params(request["params"], len(prompt))
+            stream = self.engine.generate(prompt, params, request.get("request_id"))
             start = time.monotonic()
             output = await anext(stream)
         except QueueFullError as exc:
@@ -107,10 +122,21 @@ class EngineReplica:
                 self._num_aborted += 1
             await stream.aclose()
 
-    def _prompt(self, request: dict[str, Any]) -> str | list[int]:
+    def _prompt(self, request: dict[str, Any]) -> list[int]:
+        """Token ids (tokenized once, here): the length decides an unset max_tokens."""
+        prompt = request["prompt"]
         if request.get("messages") is not None:
-            return self.engine.engine.apply_chat_template(request["messages"])
-        return request["prompt"]
+            prompt = self.engine.engine.apply_chat_template(request["messages"])
+        return self.engine.engine.tokenize(prompt)
+
+    def _params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
+        # OpenAI clients often omit max_tokens ("up to the context"). The engine would refuse that when this
+        # replica's KV cache is smaller than the context, so cap it at what can ever fit here instead.
+        if params.max_tokens is not None:
+            return params
+        engine = self.engine.engine
+        room = min(engine.max_model_len, engine.kv_cache.max_tokens_ever()) - num_prompt
+        return dataclasses.replace(params, max_tokens=room) if room >= 1 else params
 
     def _record(self, out: RequestOutput) -> dict[str, Any]:
         record: dict[str, Any] = {"text": out.delta_text, "num_tokens": len(out.delta_token_ids),

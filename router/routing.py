@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from conveyor.router.prefix_index import LoadTracker, PrefixIndex, RoutingPolicy, rank_replicas
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
@@ -20,6 +19,8 @@ from ray.serve.request_router import (
     RequestRouter,
     RunningReplica,
 )
+
+from conveyor.router.prefix_index import LoadTracker, PrefixIndex, RoutingPolicy, rank_replicas
 
 # Key the ingress puts in the request dict: the first 2048 characters of the rendered prompt.
 ROUTING_PREFIX_KEY = "routing_prefix"

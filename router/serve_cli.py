@@ -59,8 +59,9 @@ def serve_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster: no token auth
     import ray
-    from conveyor.router.app import ServeArgs, build_app
     from ray import serve
+
+    from conveyor.router.app import ServeArgs, build_app
 
     cfg = ServeArgs.model_validate(serve_args_from(args, parser))  # fail on bad settings before Ray starts
     started = time.monotonic()

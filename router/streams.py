@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.router.errors import ApiError
-from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
+
+from conveyor.router.errors import ApiError
+from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
 
 logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
 
@@ -143,17 +144,18 @@ async def sse_body(started: list[StartedStream], states: list[ChoiceState],
     yield sse("[DONE]")
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Close the body generator when the response ends for any reason (client disconnect included), so
-    its `finally` cancels the replica streams at once instead of whenever the generator is collected."""
+class ReplicaStreamingResponse(StreamingResponse):
+    """SSE that cancels its replica streams however the response ends. The body's own `finally` is not
+    enough: a client gone before the first chunk leaves the body generator unstarted, so it never runs."""
+
+    def __init__(self, body: AsyncIterator[bytes], started: list[StartedStream]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._started = started
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except RuntimeError:  # already running/closing: its own finally is taking care of it
-                    pass
+            for s in self._started:  # idempotent: a finished or already cancelled stream ignores it
+                s.cancel()

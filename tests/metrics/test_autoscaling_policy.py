@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from conveyor.router.autoscaling import (
     STATE_CALM_SINCE,
     PolicyInputs,
@@ -117,3 +119,44 @@ def test_policy_reads_serve_context() -> None:
     assert target == 3
     inputs = policy.inputs_from_context(_ctx(1, {}, {}))
     assert inputs.ttft_p99_s is None and inputs.num_waiting == 0
+
+
+def test_with_serves_own_wrapper_delays_and_startup_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy inside Serve's real wrapper (scaling factors, up/down delays, which must see the same
+    answer for downscale_delay_s), with replicas that take 2 s to start: burst, then idle, back to min."""
+    from ray.serve import autoscaling_policy as ap
+    from ray.serve.config import AutoscalingConfig
+
+    clock = [1000.0]
+    monkeypatch.setattr(ap.time, "time", lambda: clock[0])
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4, upscale_delay_s=0.5, downscale_delay_s=3.0)
+    policy = ap._apply_autoscaling_config(QueueAndLatencyPolicy(
+        target_queue_per_replica=2, scale_in_sustain_s=3.0, report_to_registry=False))
+    running, target, state, starting = 1, 1, {}, []  # starting: (ready_at, count)
+    history = []
+    for tick in range(600):  # 60 s
+        clock[0] += TICK
+        waiting = 12.0 if 20 <= tick < 200 else 0.0  # burst from 2 s to 20 s
+        metrics = {"num_waiting": {"r": waiting}, "num_running": {"r": 2.0 if waiting else 0.0},
+                   "ttft_p99_s": {"r": 0.5}, "itl_p99_s": {"r": 0.01}}
+        ctx = SimpleNamespace(config=config, current_num_replicas=running, target_num_replicas=target,
+                              total_num_requests=waiting, aggregated_metrics=metrics, total_queued_requests=0,
+                              policy_state=state, current_time=clock[0], app_name="unit")
+        decision, state = policy(ctx)
+        decision = max(1, min(4, decision))
+        if decision > target:
+            starting.append((clock[0] + 2.0, decision - target))
+        elif decision < target:
+            running = decision  # stopping is immediate for the count Serve reports
+        target = decision
+        running += sum(n for at, n in starting if at <= clock[0])
+        starting = [(at, n) for at, n in starting if at > clock[0]]
+        running = min(running, target)
+        history.append((round(clock[0] - 1000.0, 1), running, target))
+    peak = max(t for _, _, t in history)
+    assert peak == 4  # 12 waiting / 2 per replica wants 6, capped at max
+    targets = [t for _, _, t in history]
+    assert all(b >= a for a, b in zip(targets[:200], targets[1:201], strict=True))  # no dip during the burst
+    assert history[-1][1:] == (1, 1)  # back to min well within 40 s of idle
+    scale_ins = [h for h, nxt in zip(history, history[1:], strict=False) if nxt[2] < h[2]]
+    assert len(scale_ins) == 3  # 4 -> 3 -> 2 -> 1, one at a time

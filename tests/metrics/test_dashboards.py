@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from conveyor.serving.metrics import exposed_series_names
 
+from conveyor.serving.metrics import exposed_series_names
 from tests.metrics.dashboards_util import DASHBOARDS, exprs, load, metric_names, panels
 
 DS = "${datasource}"

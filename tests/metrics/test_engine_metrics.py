@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY, generate_latest
+
 from conveyor.serving import metrics as m
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
-from prometheus_client import REGISTRY, generate_latest
 
 
 def _out(rid: str, t0: float, first: float, finished: bool = False,

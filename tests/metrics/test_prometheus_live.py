@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conveyor.serving.metrics import ENGINE_FAMILIES, FLEET_METRICS, family_name
 
+from conveyor.serving.metrics import ENGINE_FAMILIES, FLEET_METRICS, family_name
 from tests.metrics.conftest import Prometheus, deploy, start_prometheus, stop_prometheus, wait_for
 from tests.metrics.dashboards_util import DASHBOARDS, exprs, load, substitute
 
@@ -106,3 +106,22 @@ def test_prometheus_sees_both_replicas_and_every_dashboard_query(base_url: str, 
                 nan_only.append(f"{path.stem}: {title}")
     assert not empty, "\n".join(empty)
     assert not nan_only, nan_only
+
+
+def test_policy_reads_p99_from_prometheus(base_url: str, prom: Prometheus) -> None:
+    """With prometheus_url set, the autoscaling policy takes the fleet p99 TTFT/ITL from the histograms
+    (PrometheusQueryMixin), not from the replicas' own windows."""
+    from types import SimpleNamespace
+
+    from conveyor.router.autoscaling import QueueAndLatencyPolicy
+
+    _load(base_url, 4, clients=2)  # fresh samples inside the 1m rate window
+    policy = QueueAndLatencyPolicy(prometheus_url=prom.url, model=MODEL, prometheus_fetch_interval_s=0.5,
+                                   report_to_registry=False)
+    ctx = SimpleNamespace(aggregated_metrics={}, total_queued_requests=0, current_num_replicas=2,
+                          target_num_replicas=2, current_time=0.0)
+    inputs = wait_for(lambda: (i := policy.inputs_from_context(ctx)).ttft_p99_s is not None
+                      and i.itl_p99_s is not None and i, 30, "p99s from prometheus")
+    expected = prom.query(policy._ttft_query)
+    assert inputs.ttft_p99_s == pytest.approx(float(expected[0]["value"][1]), rel=0.5)
+    assert 0 < inputs.itl_p99_s < 5

@@ -59,9 +59,14 @@ def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 
 @contextmanager
 def deploy(args: dict[str, Any], name: str, route_prefix: str,
            timeout_s: float = DEPLOY_TIMEOUT_S, wait: bool = True) -> Iterator[None]:
-    """Deploy build_app(args) as application `name` at `route_prefix`; delete it on exit."""
-    from conveyor.router.app import build_app
+    """Deploy build_app(args) as application `name` at `route_prefix`; delete it on exit.
+
+    wait=False: return once the ingress exists (for apps whose engine never comes up); the delete then does
+    not block either, since Serve waits ~20 s on a replica that was never placed.
+    """
     from ray.serve.api import _run  # serve.run without blocking, so the wait below has a deadline
+
+    from conveyor.router.app import build_app
 
     _run(build_app(args), name=name, route_prefix=route_prefix, _blocking=False)
     try:
@@ -70,7 +75,7 @@ def deploy(args: dict[str, Any], name: str, route_prefix: str,
                        interval_s=0.25)
         yield
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=wait)
 
 
 def _app_status(name: str) -> str | None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.serve.conftest import deploy, engine_state, wait_until
+from tests.serve.conftest import deploy, engine_handle, engine_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,6 +95,7 @@ BAD_INPUTS = {
     "malformed_json": (b'{"prompt": "hi", ', 400, "invalid_json"),
     "not_an_object": (b'["hi"]', 400, "invalid_json"),
     "invalid_utf8": (b'{"prompt": "\xff\xfe"}', 400, "invalid_encoding"),
+    "lone_surrogate": (b'{"prompt": "a\\ud800b"}', 400, "invalid_value"),
     "prompt_wrong_type": ({**OK, "prompt": 12}, 400, "invalid_value"),
     "max_tokens_wrong_type": ({**OK, "max_tokens": "many"}, 400, "invalid_value"),
     "max_tokens_negative": ({**OK, "max_tokens": -5}, 400, "invalid_value"),
@@ -123,12 +124,21 @@ def test_bad_input_gets_openai_error(base_url: str, case: str) -> None:
     assert error["code"] == code and error["message"] and "type" in error
 
 
+def test_chunked_body_over_the_limit_gets_413(base_url: str) -> None:
+    # No Content-Length: the ingress must count the bytes as they stream in.
+    chunks = iter([b'{"prompt": "'] + [b"a" * (256 << 10)] * 8 + [b'"}'])
+    resp = httpx.post(base_url + "/v1/completions", content=chunks, timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
 def test_chat_bad_inputs_and_server_keeps_serving(base_url: str, client: OpenAI) -> None:
     bad_chats = [{"model": MODEL, "messages": []},
                  {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
                  {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
                  {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50,
-                  "logprobs": True}]
+                  "logprobs": True},
+                 {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}]
     for body in bad_chats:
         resp = _post(base_url, "/v1/chat/completions", body)
         assert resp.status_code == 400 and resp.json()["error"]["param"], resp.text
@@ -170,3 +180,35 @@ def test_disconnect_mid_stream_frees_blocks(base_url: str) -> None:
                        "the aborted request to free its blocks")
     assert state["num_free_blocks"] == state["num_blocks"]
     assert state["num_aborted"] == before["num_aborted"] + 1
+
+
+def test_replica_publishes_routing_and_autoscaling_stats(client: OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="warm", max_tokens=4, extra_body={"ignore_eos": True})
+    handle = engine_handle(APP)
+    routing = handle.record_routing_stats.remote().result(timeout_s=10)
+    assert set(routing) == {"num_waiting", "num_running", "kv_cache_usage", "max_num_seqs",
+                            "max_waiting_requests"}
+    assert routing["max_num_seqs"] == 8
+    scaling = handle.record_autoscaling_stats.remote().result(timeout_s=10)
+    assert {"num_waiting", "num_running", "kv_cache_usage", "ttft_p99_s", "itl_p99_s"} <= set(scaling)
+    assert scaling["ttft_p99_s"] > 0 and scaling["itl_p99_s"] > 0
+    assert all(isinstance(v, float) for v in scaling.values())
+
+
+def test_unset_max_tokens_is_capped_to_the_replica_kv_cache(base_url: str) -> None:
+    # 64 blocks x 16 = 1024 tokens of KV (more than the 512-token context): up to the context it goes.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "ignore_eos": True}
+    resp = _post(base_url, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 512
+
+
+def test_disconnect_before_a_plain_response_aborts(base_url: str) -> None:
+    before = engine_state(APP)["num_aborted"]
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    # The replica counts the abort as it closes the engine stream; the engine frees the blocks a step later.
+    wait_until(lambda: (s := engine_state(APP))["num_aborted"] == before + 1 and s["num_block_tables"] == 0,
+               15, "the abandoned request to be aborted and its blocks freed")

@@ -1,0 +1,100 @@
+"""No Ray cluster needed: ServeArgs, `conveyor serve` flag/config merging, protocol -> SamplingParams."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from conveyor.cli import build_parser
+from conveyor.router.app import DEFAULT_ROUTER, ServeArgs
+from conveyor.router.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.router.serve_cli import serve_args_from
+
+
+def test_serve_args_defaults_and_validation() -> None:
+    cfg = ServeArgs()
+    assert cfg.model == "smollm2" and cfg.num_replicas == 1 and cfg.request_router_class == DEFAULT_ROUTER
+    opts = cfg.replica_options()
+    assert opts["max_ongoing_requests"] > cfg.max_waiting_requests  # the engine queue answers 429, not Serve
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    with pytest.raises(ValidationError, match="max_num_sqs"):
+        ServeArgs(max_num_sqs=4)  # typo in a YAML file: refused, not ignored
+    with pytest.raises(ValidationError, match="power of two"):
+        ServeArgs(block_size=12)  # the engine's own checks run at deploy time
+    with pytest.raises(ValidationError):
+        ServeArgs(scheduling="fifo")
+    auto = ServeArgs(autoscaling_config={"min_replicas": 1, "max_replicas": 3}).replica_options()
+    assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 3
+    ours = ServeArgs(autoscaling={"max_replicas": 2}).replica_options()["autoscaling_config"]
+    assert ours["max_replicas"] == 2 and "QueueAndLatencyPolicy" in ours["policy"]["policy_function"]
+    with pytest.raises(ValidationError, match="not both"):
+        ServeArgs(autoscaling={}, autoscaling_config={"max_replicas": 2})
+
+
+def test_missing_router_falls_back_to_serve_default(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = ServeArgs(request_router_class="no.such.module:Router").router_config()
+    assert "PowerOfTwoChoicesRequestRouter" in str(config.request_router_class)
+    assert "cannot be imported" in caplog.text
+    assert config.request_routing_stats_period_s == 0.5
+
+
+def test_serve_flags_override_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n  - name: conveyor\n    import_path: conveyor.router.app:build_app\n"
+                      "    args: {model: from-file, max_num_seqs: 8, num_replicas: 3}\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--config", str(config), "--max-num-seqs", "4", "--port", "9000",
+                              "--itl-slo-ms", "50"])
+    merged = serve_args_from(args, args.serve_parser)
+    assert merged == {"model": "from-file", "max_num_seqs": 4, "num_replicas": 3, "itl_slo_ms": 50.0}
+    assert ServeArgs.model_validate(merged).engine_config().scheduler.itl_slo_ms == 50.0  # every flag maps
+    monkeypatch.setenv("CONVEYOR_API_KEY", "k")
+    assert serve_args_from(parser.parse_args(["serve"]), args.serve_parser) == {"api_key": "k"}
+
+
+def test_protocol_to_sampling_params() -> None:
+    req = CompletionRequest(prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=10, n=2,
+                            stop="x", logprobs=2)
+    first, second = req.to_sampling_params(0), req.to_sampling_params(1)
+    assert (first.max_tokens, first.temperature, first.top_p, first.top_k) == (5, 0.5, 0.9, 3)
+    assert (first.seed, second.seed, first.stop, first.logprobs) == (10, 11, ("x",), 2)
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}],
+                                 max_tokens=7, max_completion_tokens=3, logprobs=True)
+    params = chat.to_sampling_params()
+    assert chat.conversation() == [{"role": "user", "content": "ab"}]
+    assert params.max_tokens == 3 and params.logprobs == 0  # max_completion_tokens wins; logprobs, no top
+    unbounded = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params()
+    assert unbounded.max_tokens is None  # up to the context length, as OpenAI does
+
+
+@pytest.mark.parametrize("bad", [
+    {"prompt": "x", "n": 9}, {"prompt": ["x"] * 20, "n": 4}, {"prompt": "x", "echo": True},
+    {"prompt": "x", "seed": -1}, {"prompt": "x", "logprobs": 21}, {"prompt": "x", "min_p": 2},
+    {"prompt": [-1]}, {"prompt": "x", "stop": [""]},
+])
+def test_protocol_rejects(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(bad)
+
+
+def test_make_request_carries_a_routing_prefix() -> None:
+    from conveyor.router.replica import ROUTING_PREFIX_CHARS, make_request
+    from conveyor.serving.request import SamplingParams
+
+    params = SamplingParams()
+    assert make_request("x" * 5000, params, "r1")["routing_prefix"] == "x" * ROUTING_PREFIX_CHARS
+    assert make_request([1, 22, 3], params, "r2")["routing_prefix"] == "1,22,3"
+    chat = make_request(None, params, "r3", messages=[{"role": "system", "content": "S"},
+                                                      {"role": "user", "content": "U"}])
+    assert chat["routing_prefix"].startswith("<|system|>S\n<|user|>U")
+    # Same system prompt, different question: same leading characters, so affinity can hold.
+    other = make_request(None, params, "r4", messages=[{"role": "system", "content": "S"},
+                                                       {"role": "user", "content": "V"}])
+    assert other["routing_prefix"][:12] == chat["routing_prefix"][:12]
