@@ -121,7 +121,7 @@ def main() -> None:
 
 def roofline_report(llm: LLM) -> dict:
     flops, bandwidth = matmul_flops(), copy_bandwidth()
-    num_params = sum(p.numel() for p in llm.engine.model.parameters())
+    num_params = llm.engine.num_params
     steps = decode_step_times(llm, [1, 16])
     print(f"roofline: fp32 matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
           f"{num_params / 1e6:.1f}M params")

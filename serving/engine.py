@@ -13,6 +13,7 @@ from conveyor.serving.detokenizer import IncrementalDetokenizer
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner
+from conveyor.serving.models.cpu_packing import cpu_weight_packing_available
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
@@ -45,6 +46,10 @@ class LLMEngine:
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model.model, self.dtype, self.device, self.attention_backend)
         hf = self.hf_config
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        if (config.cpu_weight_packing and self.device.type == "cpu" and self.dtype == torch.float32
+                and cpu_weight_packing_available()):
+            self.model.pack_for_cpu()
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -95,3 +95,12 @@ def test_gpu_group_fits_one_engine_replica_per_pod(service: dict[str, Any],
     assert resources["limits"]["nvidia.com/gpu"] == 1 == args["num_gpus"]
     assert args["num_cpus"] <= float(resources["requests"]["cpu"])
     assert args["num_replicas"] <= gpu["maxReplicas"]
+
+
+def test_scrapeconfig_discovers_replicas_through_the_serve_service(serve_config: dict[str, Any]) -> None:
+    scrape = load("scrapeconfig.yaml")
+    assert (scrape["apiVersion"], scrape["kind"]) == ("monitoring.coreos.com/v1alpha1", "ScrapeConfig")
+    (sd,) = scrape["spec"]["httpSDConfigs"]
+    assert sd["url"] == f"http://conveyor-serve-svc:{serve_config['http_options']['port']}/metrics/targets"
+    ingress = Path(importlib.util.find_spec("conveyor.router.ingress").origin).read_text()
+    assert '"/metrics/targets"' in ingress  # the route the URL names exists

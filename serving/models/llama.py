@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from conveyor.serving.attention import AttentionMetadata, PagedAttention
+from conveyor.serving.models.cpu_packing import PackedLinear, pack_linears
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -187,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: logits reuse embed_tokens.weight directly, so no second parameter exists to untie by accident.
+        self.packed_logits: PackedLinear | None = None
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                        bias=False)
 
@@ -201,8 +203,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]. Callers pass only the rows they sample from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.packed_logits is not None:
+            return self.packed_logits(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> int:
+        """Re-lay every projection out for oneDNN (see cpu_packing.py); returns the number packed.
+        Tied logits get their own packed copy: the embedding lookup still needs the plain table."""
+        count = pack_linears(self)
+        if self.lm_head is None:
+            self.packed_logits = PackedLinear(self.model.embed_tokens.weight, None)
+            count += 1
+        return count
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
