@@ -69,6 +69,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args, args.serve_parser)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    # The benchmark lives in benchmarks/ (not installed): import it from the source tree this file is in.
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.serving.runner import main as bench_main
+
+    return bench_main(argv)
+
+
 def cmd_dashboards_push(args: argparse.Namespace) -> int:
     from conveyor.dashboards import push
 
@@ -105,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default="smollm2")
     pull.set_defaults(func=cmd_model_pull)
 
+    # `bench` parses its own arguments (main() hands them over before this parser sees them); listed here
+    # so `conveyor --help` shows it.
+    sub.add_parser("bench", help="serving benchmark over HTTP; `conveyor bench compare` for side by side",
+                   add_help=False)
+
     dash = sub.add_parser("dashboards", help="Grafana dashboards")
     dash_sub = dash.add_subparsers(dest="dashboards_command", required=True)
     push = dash_sub.add_parser("push", help="create or overwrite the dashboards in a Grafana")
@@ -116,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

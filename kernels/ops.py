@@ -117,8 +117,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, max_query_len: int, max_seq_len: int,
                     seq_lens_list: list[int] | None = None, query_lens_list: list[int] | None = None,
-                    backend: str = "torch") -> torch.Tensor:
-    """Causal paged attention of packed varlen queries [T, H, D]; see reference.paged_attention."""
+                    backend: str = "torch", finite_cache: bool = False) -> torch.Tensor:
+    """Causal paged attention of packed varlen queries [T, H, D]; see reference.paged_attention.
+
+    finite_cache: the caller guarantees that cache slots no sequence uses hold finite values (a zero-initialized
+    cache), which lets the torch backend skip masking them out of the value gather.
+    """
     if backend == "reference":
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale)
@@ -144,7 +148,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"unknown attention backend {backend!r}")
     return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                         query_start_loc,
-                                        scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list)
+                                        scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list,
+                                        finite_cache=finite_cache)
 
 
 def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -28,7 +28,8 @@ _CHUNK_BYTES = 1 << 20
 
 
 def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens_list: list[int], scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, seq_lens_list: list[int], scale: float,
+                  finite_cache: bool = False) -> torch.Tensor:
     """Attention for B single-token queries [B, H, D] at once; returns [B, H, D] in query's dtype."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -53,8 +54,10 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         n = min(chunk, batch - c)
         k = _gather(key_cache, tables[c:c + n], dtype)  # [n * KVH, S, D]
         v = _gather(value_cache, tables[c:c + n], dtype)
-        # Padded positions get probability 0, but 0 * NaN is NaN: stale cache slots may hold anything.
-        v.view(n, num_kv_heads, padded_len, head_dim).masked_fill_(pad[c:c + n, None, :, None], 0.0)
+        if not finite_cache:
+            # Padded positions get probability 0, but 0 * NaN is NaN: stale cache slots may hold anything.
+            # (A tenth of a SmolLM2 decode step on CPU: the engine zero-fills its cache and skips this.)
+            v.view(n, num_kv_heads, padded_len, head_dim).masked_fill_(pad[c:c + n, None, :, None], 0.0)
         # Query heads h = kvh * group + g share kv head kvh (the reference's repeat_interleave order).
         q = query[c:c + n].reshape(n * num_kv_heads, group, head_dim).to(dtype)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(n, num_kv_heads, group, padded_len)
@@ -96,7 +99,7 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, seq_lens_list: list[int] | None = None,
-                    query_lens_list: list[int] | None = None) -> torch.Tensor:
+                    query_lens_list: list[int] | None = None, finite_cache: bool = False) -> torch.Tensor:
     """Same contract as reference.paged_attention; the *_list args spare a device sync when given."""
     if seq_lens_list is None:
         seq_lens_list = seq_lens.tolist()
@@ -109,13 +112,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     decode = [i for i, q_len in enumerate(query_lens_list) if q_len == 1]
     if len(decode) == len(query_lens_list) and decode:
         # Pure decode step: query rows are already the batch, in order.
-        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale))
+        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale, finite_cache))
         return out
     if len(decode) > 1:
         rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=query.device)
         index = torch.tensor(decode, dtype=torch.long, device=query.device)
         out[rows] = _decode_batch(query[rows], key_cache, value_cache, block_tables[index],
-                                  [seq_lens_list[i] for i in decode], scale)
+                                  [seq_lens_list[i] for i in decode], scale, finite_cache)
         decode_set = set(decode)
     else:
         decode_set = set()

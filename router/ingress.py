@@ -53,6 +53,26 @@ app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None)
 install_handlers(app)
 
 
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI `requestBody` for an endpoint that parses its body itself (so FastAPI cannot infer it).
+
+    The model's `$defs` are inlined: schema-driven clients (schemathesis, codegen) then need no resolver.
+    Called only while the routes below are declared, so it may live in this module (see the note above).
+    """
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=1000, num_replicas=1)
 @serve.ingress(app)
 class Ingress:
@@ -84,12 +104,18 @@ class Ingress:
         """Prometheus HTTP service discovery: every live replica's metrics endpoint (metrics_registry.py)."""
         return JSONResponse(await self._metrics_registry.targets.remote(self._app_name))
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        """The API schema (for schemathesis and client generators); behind the API key when one is set."""
+        self._authorize(request)
+        return JSONResponse(request.app.openapi())
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
         return JSONResponse(ModelList(data=[ModelCard(id=self.settings.model_name)]).model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         req = await self._parse(request, CompletionRequest)
@@ -102,7 +128,7 @@ class Ingress:
         fmt = CompletionFormat(new_id("cmpl"), model)
         return await self._serve(choices, fmt, req.stream, req.include_usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         req = await self._parse(request, ChatCompletionRequest)

@@ -179,6 +179,15 @@ class EngineReplica:
                 "num_blocks": kv.num_blocks, "num_waiting": load.num_waiting, "num_running": load.num_running,
                 "num_aborted": self._num_aborted}
 
+    def process_stats(self) -> dict[str, Any]:
+        """Which replica answered, its pid and resident memory, with its block accounting: for soak tests
+        (no replica restarted, memory flat, no leaked blocks on any replica)."""
+        import os
+
+        with open("/proc/self/statm") as f:  # Linux: resident pages are the second field
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"replica_id": self._replica_id, "pid": os.getpid(), "rss_bytes": rss} | self.engine_state()
+
     def __del__(self) -> None:
         endpoint = getattr(self, "_metrics_endpoint", None)
         if endpoint is not None:

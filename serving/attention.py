@@ -25,6 +25,8 @@ class AttentionMetadata:
     # Host copies, so backends that loop over sequences need no device sync.
     seq_lens_list: list[int] | None = None
     query_lens_list: list[int] | None = None
+    # The runner zero-fills the cache, so unused slots are finite and backends may skip masking them.
+    finite_cache: bool = False
 
 
 class PagedAttention(torch.nn.Module):
@@ -48,5 +50,6 @@ class PagedAttention(torch.nn.Module):
         out = ops.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            seq_lens_list=meta.seq_lens_list, query_lens_list=meta.query_lens_list, backend=self.backend)
+            seq_lens_list=meta.seq_lens_list, query_lens_list=meta.query_lens_list, backend=self.backend,
+            finite_cache=meta.finite_cache)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,11 +1,25 @@
 """SchedulerOutput -> packed tensors -> model -> sampler. Owns the KV cache tensors."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.serving.sampler import Sampler, make_generator
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros, so cache slots no sequence has written are finite (attention may then skip masking them).
+
+    On CPU the memory comes from calloc via numpy: the kernel hands out zero pages lazily, so a large cache costs
+    no RSS and no memset until blocks are actually written.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
 
 
 class ModelRunner:
@@ -16,9 +30,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # torch.empty: pages are touched only as blocks are written, so a large budget costs no RSS up front.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device),
-                           torch.empty(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        kv = zeroed_tensor((num_layers, 2, *shape), dtype, device)
+        self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -77,6 +90,6 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev), block_tables=block_tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), query_start_loc=query_start_loc.to(dev),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            seq_lens_list=seq_lens, query_lens_list=query_lens)
+            seq_lens_list=seq_lens, query_lens_list=query_lens, finite_cache=True)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev)
         return input_ids, positions.to(dev), meta, torch.tensor(logits_indices, dtype=torch.int64).to(dev)

@@ -1,0 +1,59 @@
+"""Drive an AsyncEngine in this process (no HTTP, no Ray): for experiments about the scheduler itself,
+where the serving stack's overhead would only blur the step timings being compared."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from benchmarks.serving.metrics import RequestResult
+from benchmarks.serving.workload import BenchRequest
+from conveyor.serving.async_engine import AsyncEngine
+from conveyor.serving.config import EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.request import SamplingParams
+
+
+def make_engine(model: str = "smollm2", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
+                itl_slo_ms: float | None = None) -> AsyncEngine:
+    cfg = EngineConfig(model=ModelConfig(model=model),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                                 max_num_seqs=max_num_seqs, itl_slo_ms=itl_slo_ms))
+    return AsyncEngine.from_config(cfg)
+
+
+async def stream_one(engine: AsyncEngine, req: BenchRequest, t0: float, timeout_s: float = 600.0
+                     ) -> RequestResult:
+    """One request; each engine output is one step's delta, so a gap between outputs is one ITL sample
+    (a step that emits several tokens for a request would count as one gap, as a client sees it)."""
+    send = time.perf_counter()
+    res = RequestResult(send_time=send - t0, prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens)
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    last, n = send, 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for out in engine.generate(list(req.prompt_token_ids), params):
+                if not out.delta_token_ids:
+                    continue
+                now = time.perf_counter()
+                if n == 0:
+                    res.ttft = now - send
+                else:
+                    res.itls.append(now - last)
+                res.chunk_times.append(now - t0)
+                last, n = now, len(out.token_ids)
+        res.e2e = time.perf_counter() - send
+        res.output_tokens, res.ok = n, n > 0
+    except (TimeoutError, RuntimeError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    return res
+
+
+async def run_inproc(engine: AsyncEngine, reqs: list[BenchRequest], offsets: list[float]
+                     ) -> tuple[list[RequestResult], float]:
+    t0 = time.perf_counter()
+
+    async def scheduled(req: BenchRequest, offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
+        return await stream_one(engine, req, t0)
+
+    results = await asyncio.gather(*(scheduled(r, o) for r, o in zip(reqs, offsets, strict=True)))
+    return list(results), time.perf_counter() - t0

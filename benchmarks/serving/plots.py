@@ -1,0 +1,54 @@
+"""PNG figures: latency vs throughput across request rates, and ITL over time."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: never open a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_curves(per_target: dict[str, list[dict]], path: Path, slo_ms: float | None = None) -> None:
+    """per_target: name -> summaries (one per rate). Left: p99 ITL; middle: p50 ITL; right: p99 TTFT,
+    each against achieved output-token throughput."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [("itl_ms", "p99", "p99 ITL (ms)"), ("itl_ms", "p50", "p50 ITL (ms)"),
+              ("ttft_ms", "p99", "p99 TTFT (ms)")]
+    for ax, (metric, q, label) in zip(axes, panels, strict=True):
+        for name, rows in per_target.items():
+            xs = [r["output_throughput"] for r in rows]
+            ys = [r[metric][q] for r in rows]
+            ax.plot(xs, ys, marker="o", label=name)
+            for r, x, y in zip(rows, xs, ys, strict=True):
+                ax.annotate(f"{r['offered_rate']:g}", (x, y), fontsize=7, textcoords="offset points",
+                            xytext=(3, 3))
+        if slo_ms is not None and metric == "itl_ms" and q == "p99":
+            ax.axhline(slo_ms, color="red", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
+        ax.set_xlabel("output throughput (tok/s); labels = offered req/s")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: Path, title: str = "",
+                      marks: list[float] | None = None) -> None:
+    """series: name -> (times s, ITL ms); marks: times of notable events (e.g. long-prompt arrivals)."""
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for name, (ts, itl) in series.items():
+        ax.scatter(ts, itl, s=4, alpha=0.6, label=name)
+    for m in marks or []:
+        ax.axvline(m, color="grey", linewidth=0.6, linestyle=":")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(markerscale=3, fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,197 @@
+"""`conveyor bench` and `conveyor bench compare`: argument parsing, runs, tables, JSON and plots."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+from benchmarks.serving.client import run_load, warmup
+from benchmarks.serving.metrics import parse_goodput, summarize
+from benchmarks.serving.plots import plot_curves, plot_itl_timeline
+from benchmarks.serving.workload import arrival_offsets, make_workload
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt",
+                   help="sharegpt: seeded long tail; random: fixed --input-len/--output-len")
+    p.add_argument("--input-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:2000 itl:300")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_<time>.json)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="loopback only, e.g. http://127.0.0.1:8000")
+    p.add_argument("--request-rate", default="inf", help="req/s, or a comma list to sweep; inf = all at once")
+    add_workload_args(p)
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--targets", required=True, help="name=url,name=url (the first is the numerator)")
+    p.add_argument("--request-rates", required=True, help="comma list of req/s")
+    p.add_argument("--itl-slo-ms", type=float, default=300.0, help="p99 ITL SLO for capacity")
+    add_workload_args(p)
+
+
+def parse_rates(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def run_point(url: str, args: argparse.Namespace, rate: float, desc: str) -> tuple[dict, list]:
+    """One (target, rate) measurement: warm-up, then the seeded workload; the seed does not depend on
+    the target, so every target sees the same requests at the same offsets."""
+    reqs = make_workload(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len,
+                         args.max_prompt_len, args.max_output_len)
+    offsets = arrival_offsets(len(reqs), rate, args.burstiness, args.seed)
+    warm = make_workload("random", args.num_warmups, args.seed + 99, 32, 8)
+    asyncio.run(warmup(url, args.model, warm))
+    results, duration = asyncio.run(run_load(url, args.model, reqs, offsets, args.max_concurrency,
+                                             args.timeout_s, not args.no_progress, desc))
+    summary = summarize(results, duration, rate, parse_goodput(args.goodput))
+    return summary, results
+
+
+def print_summary(name: str, s: dict) -> None:
+    print(f"{name:>12} rate={s['offered_rate']:<5g} done={s['completed']}/{s['num_requests']} "
+          f"req/s={s['request_throughput']:.2f} tok/s={s['output_throughput']:.1f} "
+          f"TTFT p50/p99={s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} "
+          f"ITL p50/p99={s['itl_ms']['p50']:.0f}/{s['itl_ms']['p99']:.0f} ms"
+          + (f" goodput={s['goodput']:.2f}" if "goodput" in s else ""), flush=True)
+
+
+def _out_path(args: argparse.Namespace, stem: str) -> Path:
+    path = Path(args.out) if args.out else RESULTS_DIR / f"{stem}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    rows, timelines = [], {}
+    for rate in parse_rates(args.request_rate):
+        summary, results = run_point(args.base_url, args, rate, f"rate {rate:g}")
+        print_summary("target", summary)
+        rows.append({**summary, "requests": [r.to_dict() for r in results]})
+        timelines[f"rate {rate:g}"] = _itl_series(results)
+    path = _out_path(args, "bench")
+    path.write_text(json.dumps({"args": vars(args) | {"func": None}, "points": rows}, indent=1))
+    plot_curves({"target": rows}, path.with_suffix(".png"))
+    plot_itl_timeline(timelines, path.with_name(path.stem + "_itl.png"), "ITL over time")
+    print(f"wrote {path}")
+    return 0
+
+
+def _itl_series(results: list) -> tuple[list[float], list[float]]:
+    ts, itl = [], []
+    for r in results:
+        ts += r.chunk_times[1:]
+        itl += [g * 1000 for g in r.itls]
+    return ts, itl
+
+
+def capacity(rows: list[dict], slo_ms: float, keep_up: float = 0.8) -> float:
+    """Highest swept rate whose p99 ITL meets the SLO while every request completed and the achieved
+    request rate kept within keep_up of the offered one (a queue that grows is not capacity). 0 if none."""
+    best = 0.0
+    for r in rows:
+        ok = (r["failed"] == 0 and not math.isnan(r["itl_ms"]["p99"]) and r["itl_ms"]["p99"] <= slo_ms
+              and r["request_throughput"] >= keep_up * r["offered_rate"])
+        if ok:
+            best = max(best, r["offered_rate"])
+    return best
+
+
+def compare(targets: dict[str, str], args: argparse.Namespace) -> dict:
+    """Every rate, every target, alternating the order per rate so neither side always runs first."""
+    per_target: dict[str, list[dict]] = {n: [] for n in targets}
+    names = list(targets)
+    for i, rate in enumerate(parse_rates(args.request_rates)):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            summary, _ = run_point(targets[name], args, rate, f"{name} @ {rate:g}")
+            print_summary(name, summary)
+            per_target[name].append(summary)
+    for rows in per_target.values():
+        rows.sort(key=lambda r: r["offered_rate"])
+    caps = {n: capacity(rows, args.itl_slo_ms) for n, rows in per_target.items()}
+    return {"per_target": per_target, "capacity": caps, "itl_slo_ms": args.itl_slo_ms}
+
+
+def ratio_table(result: dict) -> str:
+    """Markdown: per rate, each target's tok/s and p99 ITL, and the first target's ratio over each."""
+    per_target, names = result["per_target"], list(result["per_target"])
+    base = names[0]
+    head = "| rate | " + " | ".join(f"{n} tok/s, p50/p99 ITL ms" for n in names) + " | " + " | ".join(
+        f"{base}/{n} tok/s" for n in names[1:]) + " |"
+    lines = [head, "|" + "---|" * (1 + len(names) + len(names) - 1)]
+    for j, row in enumerate(per_target[base]):
+        cells = [f"{row['offered_rate']:g}"]
+        for n in names:
+            r = per_target[n][j]
+            cells.append(f"{r['output_throughput']:.1f}, {r['itl_ms']['p50']:.0f}/{r['itl_ms']['p99']:.0f}")
+        for n in names[1:]:
+            other = per_target[n][j]["output_throughput"]
+            cells.append(f"{row['output_throughput'] / other:.2f}x" if other else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    caps = result["capacity"]
+    lines.append("")
+    lines.append(f"Capacity at p99 ITL <= {result['itl_slo_ms']:g} ms (req/s): "
+                 + ", ".join(f"{n} {c:g}" for n, c in caps.items()))
+    for n in names[1:]:
+        ratio = f"{caps[base] / caps[n]:.2f}x" if caps[n] else ("inf (other 0)" if caps[base] else "n/a")
+        lines.append(f"capacity {base}/{n}: {ratio}")
+    return "\n".join(lines)
+
+
+def write_compare(result: dict, args: argparse.Namespace, stem: str = "compare") -> Path:
+    path = _out_path(args, stem)
+    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                **result}, indent=1))
+    plot_curves(result["per_target"], path.with_suffix(".png"), result["itl_slo_ms"])
+    return path
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    targets = dict(t.split("=", 1) for t in args.targets.split(","))
+    result = compare(targets, args)
+    print(ratio_table(result))
+    print(f"wrote {write_compare(result, args)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor bench", description="serving benchmark over HTTP "
+                                     "(`conveyor bench compare --help` for the side-by-side mode)")
+    add_bench_args(parser)
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor bench compare",
+                                     description="one workload against several targets, alternating")
+    add_compare_args(parser)
+    parser.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "compare":
+        args = build_compare_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+    return args.func(args)
