@@ -98,8 +98,8 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def _check_queue_room(self, request: Request) -> None:
-        config = self.engine.config.scheduler
-        if self.engine.scheduler.num_waiting + self._commands.qsize() >= config.max_waiting_requests:
+        scheduler = self.engine.scheduler
+        if scheduler.num_waiting + self._commands.qsize() >= scheduler.max_queued_requests():
             raise QueueFullError("waiting queue full")
 
     # ---- engine thread -----------------------------------------------------------------------------

@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -42,7 +44,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing float32 logits by the temperature overflows to inf/NaN; it is argmax anyway.
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 class RequestStatus(enum.Enum):

@@ -121,6 +121,8 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
         # Keep the smallest prefix reaching top_p; the first token always survives (mass_before = 0).
         # Rows with top_p = 1 are excluded explicitly: cumsum rounding could otherwise clip their tail.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        # A top_p that underflows to 0 in float32 would drop every token; the most likely one always stays.
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -47,11 +47,16 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def max_queued_requests(self) -> int:
+        """The waiting bound plus the free batch slots: requests arriving at an idle engine wait one step for
+        a slot that is theirs already, so they must not count against the queue."""
+        return self.config.max_waiting_requests + max(0, self.config.max_num_seqs - len(self.running))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        if len(self.waiting) >= self.max_queued_requests():
             raise QueueFullError(f"waiting queue full ({len(self.waiting)} requests)")
         if self._num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens:
             raise QueueFullError(f"waiting queue full ({self._num_waiting_tokens} prompt tokens)")

@@ -214,3 +214,12 @@ def test_make_generator_is_reproducible() -> None:
 def test_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, VOCAB), [SamplingParams()], [None])
+
+
+def test_underflowing_temperature_and_top_p_still_pick_a_real_token():
+    from conveyor.serving.sampler import Sampler
+
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1e-300), SamplingParams(top_p=5e-324)]
+    tokens = [t.token_id for t in Sampler(seed=0)(logits, params, [None, None])]
+    assert tokens == logits.argmax(dim=-1).tolist()

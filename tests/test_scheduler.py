@@ -151,11 +151,15 @@ def test_stop_conditions():
 
 
 def test_waiting_queue_is_bounded():
-    scheduler = make_scheduler(max_waiting_requests=2, max_waiting_tokens=100)
-    scheduler.add_request(make_request("a", 10, 1))
-    scheduler.add_request(make_request("b", 10, 1))
+    scheduler = make_scheduler(max_waiting_requests=2, max_waiting_tokens=100, max_num_seqs=1)
+    # Two may wait, plus one for the free batch slot: a request at an idle engine is not queued behind anyone.
+    for rid in "abc":
+        scheduler.add_request(make_request(rid, 10, 5))
     with pytest.raises(QueueFullError):
-        scheduler.add_request(make_request("c", 10, 1))
+        scheduler.add_request(make_request("d", 10, 1))
+    step(scheduler, FakeRunner())  # "a" now runs: the slot is taken, and the bound is the waiting bound
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("d", 10, 1))
     token_bound = make_scheduler(max_waiting_tokens=100)
     token_bound.add_request(make_request("a", 60, 1))
     with pytest.raises(QueueFullError):

@@ -27,7 +27,7 @@ def plot_curves(per_target: dict[str, list[dict]], path: Path, slo_ms: float | N
             ax.axhline(slo_ms, color="red", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
         ax.set_xlabel("output throughput (tok/s); labels = offered req/s")
         ax.set_ylabel(label)
-        ax.set_yscale("log")
+        _log_if_positive(ax)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -45,10 +45,16 @@ def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: 
         ax.axvline(m, color="grey", linewidth=0.6, linestyle=":")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("inter-token latency (ms)")
-    ax.set_yscale("log")
+    _log_if_positive(ax)
     ax.set_title(title)
     ax.legend(markerscale=3, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _log_if_positive(ax: plt.Axes) -> None:
+    """Log scale (latencies span decades) unless nothing positive was measured, e.g. every request failed."""
+    if ax.dataLim.ymax > 0 and ax.has_data():
+        ax.set_yscale("log")

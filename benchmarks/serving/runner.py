@@ -25,6 +25,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--max-token-id", type=int, default=49_000, help="random prompt ids < this (the vocab)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-warmups", type=int, default=2)
@@ -56,9 +57,9 @@ def run_point(url: str, args: argparse.Namespace, rate: float, desc: str) -> tup
     """One (target, rate) measurement: warm-up, then the seeded workload; the seed does not depend on
     the target, so every target sees the same requests at the same offsets."""
     reqs = make_workload(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len,
-                         args.max_prompt_len, args.max_output_len)
+                         args.max_prompt_len, args.max_output_len, args.max_token_id)
     offsets = arrival_offsets(len(reqs), rate, args.burstiness, args.seed)
-    warm = make_workload("random", args.num_warmups, args.seed + 99, 32, 8)
+    warm = make_workload("random", args.num_warmups, args.seed + 99, 32, 8, vocab_high=args.max_token_id)
     asyncio.run(warmup(url, args.model, warm))
     results, duration = asyncio.run(run_load(url, args.model, reqs, offsets, args.max_concurrency,
                                              args.timeout_s, not args.no_progress, desc))

@@ -57,18 +57,21 @@ def fixed_lengths(num: int, prompt_len: int, output_len: int, range_ratio: float
     return [(draw(prompt_len), draw(output_len)) for _ in range(num)]
 
 
-def build_requests(lengths: list[tuple[int, int]], seed: int = 0) -> list[BenchRequest]:
+def build_requests(lengths: list[tuple[int, int]], seed: int = 0, vocab_high: int = VOCAB_HIGH
+                   ) -> list[BenchRequest]:
     """Random token-id prompts: every server sees exactly the same tokens, no tokenizer round trip."""
     rng = random.Random(seed + 1)
-    return [BenchRequest([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)], o) for p, o in lengths]
+    low = min(VOCAB_LOW, vocab_high // 4)  # small test vocabularies still get ids above their specials
+    return [BenchRequest([rng.randrange(low, vocab_high) for _ in range(p)], o) for p, o in lengths]
 
 
 def make_workload(dataset: str, num: int, seed: int, prompt_len: int = 200, output_len: int = 64,
-                  max_prompt: int = 512, max_output: int = 128) -> list[BenchRequest]:
+                  max_prompt: int = 512, max_output: int = 128, vocab_high: int = VOCAB_HIGH
+                  ) -> list[BenchRequest]:
     if dataset == "sharegpt":
         lengths = sharegpt_like_lengths(num, seed, max_prompt=max_prompt, max_output=max_output)
     elif dataset == "random":
         lengths = fixed_lengths(num, prompt_len, output_len, seed=seed)
     else:
         raise ValueError(f"unknown dataset {dataset!r}")
-    return build_requests(lengths, seed)
+    return build_requests(lengths, seed, vocab_high)

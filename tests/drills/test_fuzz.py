@@ -50,17 +50,49 @@ def payloads(fields: list[str]) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries({}, optional={**value, "unknown_field": json_values})
 
 
-def _check_model(model: type[CompletionRequest] | type[ChatCompletionRequest], data: dict[str, Any]) -> None:
+# Near-valid payloads: every field well typed, values at and around the documented bounds (these reach
+# to_sampling_params; fully random payloads above almost never validate).
+texts = st.text(max_size=12) | st.sampled_from(["", " ", "\ud800", "STOP", "日本語🙂", "\x00"])
+token_ids = st.lists(st.integers(0, 1 << 63), min_size=1, max_size=4)
+SAMPLING_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.none() | st.sampled_from(["tiny", "other"]),
+    "temperature": st.floats(0, 2) | st.sampled_from([0.0, -0.0, 2.0, 1e-300]),
+    "top_p": st.floats(0, 1, exclude_min=True) | st.sampled_from([1.0, 5e-324]),
+    "top_k": st.integers(-1, 1 << 40), "min_p": st.floats(0, 1), "seed": st.none() | st.integers(0, (1 << 63) - 1),
+    "stop": st.none() | texts | st.lists(texts, max_size=5), "stop_token_ids": st.none() | st.lists(
+        st.integers(0, 1 << 64), max_size=3), "n": st.integers(1, 8), "stream": st.booleans(),
+    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(), "user": st.none() | texts,
+    "max_tokens": st.none() | st.integers(1, 1 << 17),
+}
+COMPLETION_VALUES = {**SAMPLING_VALUES, "logprobs": st.none() | st.integers(0, 20), "prompt": texts | token_ids
+                     | st.lists(texts, min_size=1, max_size=8) | st.lists(token_ids, min_size=1, max_size=8)}
+parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=3)
+CHAT_VALUES = {**SAMPLING_VALUES, "max_completion_tokens": st.none() | st.integers(1, 1 << 17),
+               "logprobs": st.booleans(), "top_logprobs": st.none() | st.integers(0, 20),
+               "messages": st.lists(st.fixed_dictionaries(
+                   {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
+                   optional={"content": st.none() | texts | parts}), min_size=1, max_size=3)}
+
+
+def near_valid(values: dict[str, st.SearchStrategy[Any]], required: str) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({required: values[required]},
+                                 optional={k: v for k, v in values.items() if k != required})
+
+
+def _check_model(model: type[CompletionRequest] | type[ChatCompletionRequest], data: dict[str, Any]) -> bool:
+    """Validate, and if valid map every choice onto SamplingParams; return whether it was valid."""
     try:
         req = model.model_validate(data)
     except ValidationError:  # a ValueError subclass: the ingress turns it into a 400
-        return
+        return False
     for k in range(req.n):
         assert isinstance(req.to_sampling_params(k), SamplingParams)
     if isinstance(req, CompletionRequest):
         assert req.prompts()
     else:
         assert all(isinstance(m["content"], str) for m in req.conversation())
+    return True
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,6 +105,19 @@ def test_completion_request_validation_never_crashes(data: dict[str, Any]) -> No
 @given(data=payloads(CHAT_FIELDS))
 def test_chat_request_validation_never_crashes(data: dict[str, Any]) -> None:
     _check_model(ChatCompletionRequest, data)
+
+
+def test_near_valid_requests_convert_to_sampling_params() -> None:
+    valid = {"completion": 0, "chat": 0}
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(data=near_valid(COMPLETION_VALUES, "prompt"), chat=near_valid(CHAT_VALUES, "messages"))
+    def run(data: dict[str, Any], chat: dict[str, Any]) -> None:
+        valid["completion"] += _check_model(CompletionRequest, data)
+        valid["chat"] += _check_model(ChatCompletionRequest, chat)
+
+    run()
+    assert valid["completion"] >= 50 and valid["chat"] >= 50, valid  # the property was really exercised
 
 
 # ---- schemathesis against the live server ---------------------------------------------------------------------
@@ -90,6 +135,37 @@ def test_openapi_schema_documents_request_bodies(base_url: str) -> None:
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"prompt", "max_tokens", "n", "stream"} <= body["properties"].keys()
     assert "/v1/chat/completions" in schema["paths"]
+
+
+# Valid per the schema, hostile to the engine: each must come back 200 or 4xx, never 5xx.
+EDGE_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}),  # token id beyond the vocabulary
+    ("/v1/completions", {"prompt": [[1, 2], [3, 1 << 62]], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1 << 17}),  # beyond the context
+    ("/v1/completions", {"prompt": "x " * 500, "max_tokens": 1}),  # prompt beyond the context
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "top_k": 1 << 40, "seed": (1 << 63) - 1, "n": 8}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "stop_token_ids": [1 << 64], "logprobs": 20}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_p": 1.0, "temperature": 1e-30, "top_p": 1e-10}),
+    ("/v1/completions", {"prompt": ["a"] * 8, "n": 8, "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": None}], "max_completion_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 20, "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\x00" * 50}]}),  # no max_tokens
+]
+# Regression (found by this drill): a temperature or top_p that is > 0 as a Python float but 0 in float32 (1e-300,
+# 5e-324) used to make the sampler draw an out-of-vocabulary id, failing every live request on the replica.
+UNDERFLOW_CASES = [pytest.param("/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 1e-300},
+                                id="temperature-1e-300"),
+                   pytest.param("/v1/completions", {"prompt": "x", "max_tokens": 3, "top_p": 5e-324},
+                                id="top_p-5e-324")]
+
+
+@pytest.mark.parametrize(("path", "body"), [*EDGE_CASES, *UNDERFLOW_CASES])
+def test_engine_edge_cases_are_client_errors_or_served(base_url: str, path: str, body: dict[str, Any]) -> None:
+    resp = httpx.post(base_url + path, json=body, timeout=60)
+    assert resp.status_code < 500, (resp.status_code, resp.text[:300])
+    if body.get("stream") and resp.status_code == 200:
+        assert "data: [DONE]" in resp.text and '"error"' not in resp.text
 
 
 def test_schemathesis_finds_no_server_error(base_url: str) -> None:
