@@ -17,41 +17,16 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
 
-from tests.serve.conftest import _free_port  # noqa: E402
+from tests.serve.conftest import attached_or_new_serve  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "drills"
 
 
-def _running_serve_port() -> int | None:
-    if not ray.is_initialized():
-        return None
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    return client.http_config.port if client is not None else None
-
-
 @pytest.fixture(scope="package")
 def serve_cluster() -> Iterator[str]:
-    port = _running_serve_port()
-    if port is not None:
-        yield f"http://127.0.0.1:{port}"
-        return
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+    with attached_or_new_serve() as url:
+        yield url
 
 
 def write_artifact(name: str, data: dict[str, Any]) -> Path:

@@ -15,7 +15,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
-from tests.serve.conftest import deploy, wait_until  # noqa: E402,F401 - re-exported for the tests here
+from tests.serve.conftest import attached_or_new_serve, deploy, wait_until  # noqa: E402,F401 - re-exported
 
 
 def free_port() -> int:
@@ -26,29 +26,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="package")
 def metrics_cluster() -> Iterator[str]:
-    """The Serve proxy's base URL. Reuses a running Serve (e.g. tests/serve's session cluster) on its real
-    port; otherwise starts one for this package and stops it afterwards, so that tests/serve, collected
-    after this package, starts its own cleanly."""
-    import ray
-    from ray import serve
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False) if ray.is_initialized() else None
-    if client is not None:
-        yield f"http://127.0.0.1:{client.http_config.port}"
-        return
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+    """The Serve proxy's base URL: tests/serve's if it runs, else one for this package only."""
+    with attached_or_new_serve() as url:
+        yield url
 
 
 class Prometheus:

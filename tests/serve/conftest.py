@@ -29,9 +29,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def serve_cluster() -> Iterator[str]:
-    """Start Ray + Serve once; yield the proxy's base URL (http://127.0.0.1:PORT)."""
+def _running_serve_port() -> int | None:
+    if not ray.is_initialized():
+        return None
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.http_config.port if client is not None else None
+
+
+@contextmanager
+def attached_or_new_serve() -> Iterator[str]:
+    """Yield the base URL of the Serve proxy: the running one if there is one (left alone afterwards), else a
+    new Ray + Serve on a free port, shut down on exit. The Ray test packages (serve, metrics, drills) each
+    hold one for their whole run, so whichever runs first never leaves a Serve on a port the next one doesn't
+    know."""
+    port = _running_serve_port()
+    if port is not None:
+        yield f"http://127.0.0.1:{port}"
+        return
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -44,6 +60,13 @@ def serve_cluster() -> Iterator[str]:
         serve.shutdown()
         if started:
             ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_cluster() -> Iterator[str]:
+    """Start Ray + Serve once; yield the proxy's base URL (http://127.0.0.1:PORT)."""
+    with attached_or_new_serve() as url:
+        yield url
 
 
 def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
