@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
-from conveyor.serving.request import Request, SamplingParams
+from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class AsyncEngine:
         before the first output, so a server can still answer with a status code.
         """
         request = self.engine.make_request(prompt, params, request_id)
-        self._check_queue_room(request)
+        self._check_queue_room()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
@@ -97,7 +97,7 @@ class AsyncEngine:
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
 
-    def _check_queue_room(self, request: Request) -> None:
+    def _check_queue_room(self) -> None:
         scheduler = self.engine.scheduler
         if scheduler.num_waiting + self._commands.qsize() >= scheduler.max_queued_requests():
             raise QueueFullError("waiting queue full")

@@ -66,10 +66,6 @@ class KVCacheManager:
         self.num_prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed_blocks: list[KVBlock] | None = None) -> bool:
-        return self._num_blocks_short(request, num_new_tokens, new_computed_blocks or []) <= 0
-
     def _num_blocks_short(self, request: Request, num_new_tokens: int, computed: list[KVBlock]) -> int:
         held = self.block_tables.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens

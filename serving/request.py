@@ -77,7 +77,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # The one progress counter: how many of all_token_ids have their KV in the cache.
+    # The one progress counter: how many of prompt + output tokens have their KV in the cache.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
@@ -95,10 +95,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt+output without building the whole list."""

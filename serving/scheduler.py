@@ -158,13 +158,8 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
 
-    def _admission_open(self) -> bool:
-        return True
-
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admission_open():
-                break
             request = self.waiting[0]
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached

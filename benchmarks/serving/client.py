@@ -28,7 +28,6 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
     result = RequestResult(send_time=send - t0, prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    last = send
     chunks = 0
     usage_tokens = None
     try:
@@ -49,13 +48,8 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
                     choices = msg.get("choices") or []
                     if not choices or not choices[0].get("text"):
                         continue  # usage-only or empty chunks carry no token to time
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = now - send
-                    else:
-                        result.itls.append(now - last)
-                    result.chunk_times.append(now - t0)
-                    last, chunks = now, chunks + 1
+                    result.record_chunk(time.perf_counter(), send, t0)
+                    chunks += 1
         result.e2e = time.perf_counter() - send
         result.output_tokens = usage_tokens if usage_tokens is not None else chunks
         result.ok = chunks > 0

@@ -27,19 +27,14 @@ async def stream_one(engine: AsyncEngine, req: BenchRequest, t0: float, timeout_
     send = time.perf_counter()
     res = RequestResult(send_time=send - t0, prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens)
     params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-    last, n = send, 0
+    n = 0
     try:
         async with asyncio.timeout(timeout_s):
             async for out in engine.generate(list(req.prompt_token_ids), params):
                 if not out.delta_token_ids:
                     continue
-                now = time.perf_counter()
-                if n == 0:
-                    res.ttft = now - send
-                else:
-                    res.itls.append(now - last)
-                res.chunk_times.append(now - t0)
-                last, n = now, len(out.token_ids)
+                res.record_chunk(time.perf_counter(), send, t0)
+                n = len(out.token_ids)
         res.e2e = time.perf_counter() - send
         res.output_tokens, res.ok = n, n > 0
     except (TimeoutError, RuntimeError, ValueError) as exc:

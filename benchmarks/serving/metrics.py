@@ -23,6 +23,14 @@ class RequestResult:
         """Mean time per output token after the first (0 for one-token outputs)."""
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
+    def record_chunk(self, now: float, send: float, t0: float) -> None:
+        """A token-bearing chunk arrived at `now` (same clock as `send` and the run start `t0`)."""
+        if self.chunk_times:
+            self.itls.append(now - t0 - self.chunk_times[-1])
+        else:
+            self.ttft = now - send
+        self.chunk_times.append(now - t0)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
