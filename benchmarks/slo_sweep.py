@@ -61,8 +61,8 @@ def verdict(rows: dict[str, list[dict]], slo_name: str, slo_ms: float) -> list[s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--rates", default="0.5,1,2")
-    p.add_argument("--budgets", default="64,256,1024", help="fixed max_num_batched_tokens to compare")
+    p.add_argument("--rates", default="0.5,1")
+    p.add_argument("--budgets", default="32,64,1024", help="fixed max_num_batched_tokens to compare")
     p.add_argument("--slo-ms", type=float, default=250.0)
     p.add_argument("--slo-cap", type=int, default=4096, help="max_num_batched_tokens in tail-latency mode")
     p.add_argument("--num-prompts", type=int, default=30)

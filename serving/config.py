@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Exactly one sizing rule applies: an explicit block count, a byte budget, or a fraction of free memory.
+    # Exactly one sizing rule applies: an explicit block count, a byte budget, or (neither given) a memory rule:
+    # on CPU memory_fraction of MemAvailable; on CUDA gpu_memory_utilization (vLLM semantics): the engine may use
+    # that fraction of the device's TOTAL memory, and the KV cache gets what the weights, a profiled max-size
+    # step's peak activations and memory outside torch's allocator leave of it.
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     memory_fraction: float = 0.25
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -20,6 +24,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,20 @@ class SchedulerConfig:
     # Tail-latency mode: size every step's token budget so its predicted time stays under this inter-token
     # latency target (measured online), admitting prefill chunks only with the slack. None: fixed budget.
     itl_slo_ms: float | None = None
-    # Aim the predicted step at this fraction of the SLO: steps vary, and the SLO is on the p99.
-    slo_headroom: float = 0.8
+    # Aim the step's tail prediction at this fraction of the SLO: it leaves room for the work between steps
+    # (detokenizing, streaming) that the client sees in its inter-token gaps but the step timer does not.
+    slo_headroom: float = 0.85
+    # Tail-latency mode never lets pending prefill stall: each step gives it at least this many tokens, even
+    # when the decodes alone fill the target (a long prompt waiting forever is worse than a slightly slow step).
+    min_prefill_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
             raise ValueError("itl_slo_ms must be > 0")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError("slo_headroom must be in (0, 1]")
+        if self.min_prefill_tokens < 1:
+            raise ValueError("min_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
@@ -68,6 +80,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CPU float32 only: pre-pack weights for oneDNN (2x faster decode steps; see models/cpu_packing.py).
     cpu_weight_packing: bool = True
+    # CUDA only (ignored on CPU): replay captured CUDA graphs for pure-decode steps (see cuda_graphs.py).
+    enable_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton", "cuda", "flash"):

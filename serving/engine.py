@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous core. add_request / abort / step."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -12,7 +13,7 @@ from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import IncrementalDetokenizer
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
-from conveyor.serving.model_runner import ModelRunner
+from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import cpu_weight_packing_available
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
@@ -55,12 +56,20 @@ class LLMEngine:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         block_size = config.cache.block_size
         per_block = block_bytes(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim, self.dtype)
-        num_blocks = num_kv_blocks(config.cache, per_block, self.device)
+        sched_cfg = config.scheduler
+        num_blocks = num_kv_blocks(config.cache, per_block, self.device, profile_step=functools.partial(
+            profile_step, self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim, block_size,
+            self.device, self.dtype, num_tokens=sched_cfg.max_num_batched_tokens, num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=self.max_model_len))
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_cls = StaticScheduler if config.scheduler.scheduling == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim,
-                                  num_blocks, block_size, self.device, self.dtype)
+                                  num_blocks, block_size, self.device, self.dtype,
+                                  attention_backend=self.attention_backend, max_model_len=self.max_model_len,
+                                  # a decode batch never exceeds the token budget: no graph above it
+                                  max_num_seqs=min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
+                                  cuda_graphs="capture" if config.enable_cuda_graphs else "off")
         self.eos_token_id = self.tokenizer.eos_token_id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",

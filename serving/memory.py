@@ -1,9 +1,14 @@
 """How many KV blocks fit the configured memory budget."""
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from conveyor.serving.config import CacheConfig
+
+logger = logging.getLogger(__name__)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -22,16 +27,51 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def num_kv_blocks(cache: CacheConfig, bytes_per_block: int, device: torch.device) -> int:
+def cuda_kv_cache_bytes(utilization: float, total: int, free: int, torch_reserved: int, torch_peak: int) -> int:
+    """vLLM's rule: the engine may use utilization * total device memory. Off that come torch's peak allocation
+    (weights + a max-size step's activations, profiled) and memory outside torch's caching allocator (CUDA
+    context, cuBLAS workspaces, other processes: total - free - reserved). The rest is the KV cache's."""
+    non_torch = max(0, total - free - torch_reserved)
+    return int(total * utilization) - torch_peak - non_torch
+
+
+def profile_cuda_kv_cache_bytes(utilization: float, device: torch.device,
+                                profile_step: Callable[[], None] | None) -> int:
+    """Run profile_step (a max-size step without the real KV cache) and apply cuda_kv_cache_bytes."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    if profile_step is not None:
+        profile_step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()  # the step's activations go back, so `free` counts them as ours to reuse
+    free, total = torch.cuda.mem_get_info(device)
+    budget = cuda_kv_cache_bytes(utilization, total, free, torch.cuda.memory_reserved(device), peak)
+    logger.info("KV cache budget %.2f GiB: %.0f%% of %.1f GiB, minus torch peak %.2f GiB (weights + activations) "
+                "and %.2f GiB outside torch", budget / 2**30, 100 * utilization, total / 2**30, peak / 2**30,
+                max(0, total - free - torch.cuda.memory_reserved(device)) / 2**30)
+    return budget
+
+
+def num_kv_blocks(cache: CacheConfig, bytes_per_block: int, device: torch.device,
+                  profile_step: Callable[[], None] | None = None) -> int:
+    """Blocks for the first sizing rule that applies (see CacheConfig). profile_step: CUDA only, a max-size
+    step whose peak activation memory the KV cache must leave room for."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     budget = cache.kv_cache_bytes
-    if budget is None:
+    knob = "kv_cache_bytes"
+    if budget is None and device.type == "cuda":
+        budget = profile_cuda_kv_cache_bytes(cache.gpu_memory_utilization, device, profile_step)
+        knob = "gpu_memory_utilization"
+    elif budget is None:
         budget = int(available_memory_bytes(device) * cache.memory_fraction)
+        knob = "memory_fraction"
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes; "
-                         "raise kv_cache_bytes or memory_fraction")
+                         f"raise {knob} (or set kv_cache_bytes / num_blocks)")
     return num_blocks
 
 

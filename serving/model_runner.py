@@ -1,12 +1,18 @@
 """SchedulerOutput -> packed tensors -> model -> sampler. Owns the KV cache tensors."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from conveyor.serving.attention import AttentionMetadata
+from conveyor.serving.cuda_graphs import DecodeGraphs, capture_sizes, graph_unsafe_reason
 from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.serving.request import SamplingParams
 from conveyor.serving.sampler import Sampler, make_generator
+
+logger = logging.getLogger(__name__)
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -23,17 +29,44 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 class ModelRunner:
+    """cuda_graphs: "off"; "capture" (CUDA graphs for pure-decode steps where the device is CUDA and the attention
+    backend is graph-safe; otherwise logged and off); "static" (the graph path's padded static buffers run
+    eagerly, on any device and backend that reads lengths on the device: for tests and debugging)."""
+
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+                 num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype, *,
+                 attention_backend: str = "torch", max_model_len: int | None = None, max_num_seqs: int = 64,
+                 cuda_graphs: str = "off") -> None:
+        if cuda_graphs not in ("off", "capture", "static"):
+            raise ValueError(f"cuda_graphs must be 'off', 'capture' or 'static', got {cuda_graphs!r}")
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if cuda_graphs == "capture":
+            reason = graph_unsafe_reason(device, attention_backend)
+            if reason is None and max_model_len is None:
+                reason = "max_model_len is unknown"
+            if reason is not None:
+                logger.info("CUDA graphs off: %s (attention backend %s)", reason, attention_backend)
+                cuda_graphs = "off"
+        elif cuda_graphs == "static" and max_model_len is None:
+            raise ValueError("cuda_graphs='static' needs max_model_len")
+        # The graph path's padding rows write and read one scratch block past the last real one: the block
+        # manager only knows blocks [0, num_blocks), so no request ever owns it.
+        total_blocks = num_blocks + (cuda_graphs != "off")
+        shape = (total_blocks, block_size, num_kv_heads, head_dim)
         kv = zeroed_tensor((num_layers, 2, *shape), dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graphs != "off":
+            assert max_model_len is not None
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, sizes=capture_sizes(max_num_seqs), max_model_len=max_model_len,
+                block_size=block_size, pad_block=num_blocks, device=device, capture=cuda_graphs == "capture")
+            self.decode_graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -41,8 +74,14 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if sched.is_empty:
             return ModelRunnerOutput()
-        input_ids, positions, meta, logits_indices = self._prepare_inputs(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.decode_graphs.run(sched.chunks) if self.decode_graphs is not None else None
+        if hidden is not None:  # one row per chunk, in order
+            rows = [i for i, c in enumerate(sched.chunks) if c.samples]
+            logits_indices = (slice(None) if len(rows) == len(sched.chunks)
+                              else torch.tensor(rows, dtype=torch.int64).to(self.device))
+        else:
+            input_ids, positions, meta, logits_indices = self._prepare_inputs(sched)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling_chunks = [c for c in sched.chunks if c.samples]
         if not sampling_chunks:
             return ModelRunnerOutput()
@@ -93,3 +132,38 @@ class ModelRunner:
             seq_lens_list=seq_lens, query_lens_list=query_lens, finite_cache=True)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev)
         return input_ids, positions.to(dev), meta, torch.tensor(logits_indices, dtype=torch.int64).to(dev)
+
+
+@torch.inference_mode()
+def profile_step(model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, *, num_tokens: int, num_seqs: int,
+                 max_model_len: int) -> None:
+    """One max-size step (num_tokens tokens over num_seqs sequences, logits and top-p sampling for each) on a
+    throwaway cache just big enough, so the caller can measure peak activation memory before sizing the KV cache.
+    Sequence 0 carries the bulk as prefill chunks of at most max_model_len; the others are 1-token prompts."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    bulk = num_tokens - (num_seqs - 1)
+    lens = [min(max_model_len, bulk - s) for s in range(0, bulk, max_model_len)] + [1] * (num_seqs - 1)
+    blocks = [-(-n // block_size) for n in lens]
+    kv = torch.zeros((num_layers, 2, sum(blocks), block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
+    tables = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+    query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens_t, 0, out=query_start_loc[1:])
+    positions = torch.arange(sum(lens)) - query_start_loc[:-1].long()[seq_index]
+    slots = tables.long()[seq_index, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device), block_tables=tables.to(device), seq_lens=lens_t.int().to(device),
+        query_start_loc=query_start_loc.to(device), max_query_len=max(lens), max_seq_len=max(lens),
+        seq_lens_list=lens, query_lens_list=lens, finite_cache=True)
+    input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
+    hidden = model(input_ids, positions.to(device), kv_caches, meta)
+    logits = model.compute_logits(hidden[query_start_loc[1:].long().to(device) - 1])
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * len(lens)
+    Sampler(seed=0)(logits, params, [None] * len(lens))

@@ -108,15 +108,31 @@ class Scheduler:
 
     def token_budget(self) -> int:
         """This step's token budget: fixed, or in tail-latency mode what the step-cost model says fits the
-        ITL target. Running decodes always fit: starving a stream would hurt its latency more."""
+        ITL target. Running decodes always fit (starving a stream would hurt its latency more), and pending
+        prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill the target."""
         limit = self.config.max_num_batched_tokens
         if self.config.itl_slo_ms is None:
             return limit
         if not self.step_cost.ready:
             return min(limit, max(COLD_START_BUDGET, len(self.running)))
-        target_s = self.config.itl_slo_ms / 1000 * self.config.slo_headroom
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        prefill_pending = bool(self.waiting) or num_decodes < len(self.running)
+        floor = num_decodes + (self.config.min_prefill_tokens if prefill_pending else 0)
         num_seqs = len(self.running) + (1 if self.waiting else 0)
-        return min(limit, max(self.step_cost.max_tokens_within(target_s, num_seqs), len(self.running), 1))
+        fits = self.step_cost.max_tokens_within(self._target_step_s(), num_seqs)
+        return min(limit, max(fits, floor, 1))
+
+    def _target_step_s(self) -> float:
+        return self.config.itl_slo_ms / 1000 * self.config.slo_headroom
+
+    def _batch_has_room(self) -> bool:
+        """Tail-latency mode caps the batch: admit one more sequence only if a decode step over the larger
+        batch is still predicted under the target. Otherwise new requests wait (and past the queue bound
+        get 429), which keeps the admitted streams' inter-token latency."""
+        if self.config.itl_slo_ms is None or not self.step_cost.ready or not self.running:
+            return True
+        num_seqs = len(self.running) + 1
+        return self.step_cost.predict_tail(num_seqs, num_seqs) <= self._target_step_s()
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         if num_tokens:
@@ -159,7 +175,8 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and self._batch_has_room()):
             request = self.waiting[0]
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.serving.client import check_loopback, run_load
 from benchmarks.serving.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
-from benchmarks.serving.runner import capacity, ratio_table
+from benchmarks.serving.runner import attainment_capacity, capacity, ratio_table
 from benchmarks.serving.workload import (
     BenchRequest,
     arrival_offsets,
@@ -101,6 +101,15 @@ def test_capacity_needs_slo_and_keeping_up() -> None:
     table = ratio_table({"per_target": {"a": rows, "b": rows}, "capacity": {"a": 1.0, "b": 0.5},
                          "itl_slo_ms": 300})
     assert "1.00x" in table and "capacity a/b: 2.00x" in table
+
+
+def test_slo_attainment_capacity_is_the_highest_rate_where_nine_in_ten_meet_the_slo() -> None:
+    def row(rate: float, good: int) -> dict:
+        return {"offered_rate": rate, "num_requests": 20, "good_requests": good}
+
+    assert attainment_capacity([row(0.5, 20), row(1.0, 18), row(2.0, 17)]) == 1.0
+    assert attainment_capacity([row(0.5, 17)]) == 0.0
+    assert attainment_capacity([{"offered_rate": 1.0, "num_requests": 20}]) is None  # no --goodput given
 
 
 def test_only_loopback_targets() -> None:

@@ -223,3 +223,60 @@ def test_tail_latency_mode_sizes_the_budget_from_measured_step_cost():
     assert sched.num_scheduled_tokens == budget
     decodes = [c for c in sched.chunks if c.request.request_id != "long"]
     assert len(decodes) == 4 and all(c.num_tokens == 1 for c in decodes)
+
+
+def test_step_cost_margin_follows_the_noise_of_step_times():
+    import random
+
+    from conveyor.serving.step_cost import StepCostModel
+
+    rng = random.Random(0)
+    steady, noisy = StepCostModel(), StepCostModel()
+    for i in range(2000):
+        tokens, seqs = 1 + (i * 37) % 300, 1 + i % 16
+        cost = 0.010 + 0.0002 * tokens + 0.001 * seqs
+        steady.observe(tokens, seqs, cost)
+        # A busy neighbour: one step in ten takes 1.5x as long.
+        noisy.observe(tokens, seqs, cost * (1.5 if rng.random() < 0.1 else 1.0))
+    assert steady.margin < 1.05
+    assert 1.3 < noisy.margin < 1.6, noisy.margin
+    assert noisy.max_tokens_within(0.050, 8) < steady.max_tokens_within(0.050, 8)
+
+
+def _tail_mode_scheduler_with_known_cost(per_token_s: float, **overrides):
+    config = {"num_blocks": 512, "max_num_batched_tokens": 512, "itl_slo_ms": 50.0, "slo_headroom": 1.0}
+    scheduler = make_scheduler(**(config | overrides))
+    runner = FakeRunner()
+    for i in range(4):
+        scheduler.add_request(make_request(f"s{i}", 8, 500, first_token=i))
+    for _ in range(20):
+        sched, _ = step(scheduler, runner)
+        scheduler.observe_step(sched.num_scheduled_tokens, len(sched.chunks),
+                               0.010 + per_token_s * sched.num_scheduled_tokens)
+    return scheduler, runner
+
+
+def test_tail_latency_mode_keeps_a_long_prompt_moving_when_decodes_fill_the_target():
+    # 10 ms + 12 ms per token: four decodes alone (58 ms) already exceed the 50 ms target.
+    scheduler, runner = _tail_mode_scheduler_with_known_cost(0.012, min_prefill_tokens=16, max_num_seqs=8)
+    long_ = make_request("long", 100, 2)
+    scheduler.add_request(long_)
+    scheduler.running.append(scheduler.waiting.popleft())  # already admitted: its prefill is pending
+    long_.status = RequestStatus.RUNNING
+    assert scheduler.token_budget() == 4 + 16
+    sched, _ = step(scheduler, runner)
+    assert {c.request.request_id: c.num_tokens for c in sched.chunks} == {"s0": 1, "s1": 1, "s2": 1, "s3": 1,
+                                                                           "long": 16}
+
+
+def test_tail_latency_mode_caps_the_batch_where_one_more_decode_breaks_the_target():
+    # 10 ms + 9 ms per token: a decode step over 4 sequences is predicted at 46 ms, over 5 at 55 ms.
+    scheduler, runner = _tail_mode_scheduler_with_known_cost(0.009, max_num_seqs=8)
+    scheduler.add_request(make_request("late", 8, 4))
+    for _ in range(3):
+        sched, _ = step(scheduler, runner)
+        assert "late" not in scheduled_ids(sched)
+    assert scheduler.num_waiting == 1
+    scheduler.finish_requests(["s0", "s1"], RequestStatus.FINISHED_ABORTED)
+    sched, _ = step(scheduler, runner)
+    assert "late" in scheduled_ids(sched)

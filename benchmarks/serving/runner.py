@@ -116,6 +116,15 @@ def capacity(rows: list[dict], slo_ms: float, keep_up: float = 0.8) -> float:
     return best
 
 
+def attainment_capacity(rows: list[dict], attainment: float = 0.9) -> float | None:
+    """Highest swept rate at which at least `attainment` of the requests met every goodput SLO (the
+    DistServe definition of capacity under an SLO); None without --goodput."""
+    if not rows or "good_requests" not in rows[0]:
+        return None
+    return max((r["offered_rate"] for r in rows if r["good_requests"] >= attainment * r["num_requests"]),
+               default=0.0)
+
+
 def compare(targets: dict[str, str], args: argparse.Namespace) -> dict:
     """Every rate, every target, alternating the order per rate so neither side always runs first."""
     per_target: dict[str, list[dict]] = {n: [] for n in targets}
@@ -129,7 +138,9 @@ def compare(targets: dict[str, str], args: argparse.Namespace) -> dict:
     for rows in per_target.values():
         rows.sort(key=lambda r: r["offered_rate"])
     caps = {n: capacity(rows, args.itl_slo_ms) for n, rows in per_target.items()}
-    return {"per_target": per_target, "capacity": caps, "itl_slo_ms": args.itl_slo_ms}
+    slo_caps = {n: attainment_capacity(rows) for n, rows in per_target.items()}
+    return {"per_target": per_target, "capacity": caps, "itl_slo_ms": args.itl_slo_ms,
+            "slo_attainment_capacity": slo_caps, "goodput_slo": parse_goodput(args.goodput)}
 
 
 def ratio_table(result: dict) -> str:
@@ -152,10 +163,21 @@ def ratio_table(result: dict) -> str:
     lines.append("")
     lines.append(f"Capacity at p99 ITL <= {result['itl_slo_ms']:g} ms (req/s): "
                  + ", ".join(f"{n} {c:g}" for n, c in caps.items()))
+    lines += _capacity_ratios(caps, base, names)
+    slo_caps = result.get("slo_attainment_capacity") or {}
+    if any(c is not None for c in slo_caps.values()):
+        lines.append(f"Capacity at >= 90% of requests meeting {result['goodput_slo']} (req/s): "
+                     + ", ".join(f"{n} {c:g}" for n, c in slo_caps.items()))
+        lines += _capacity_ratios(slo_caps, base, names)
+    return "\n".join(lines)
+
+
+def _capacity_ratios(caps: dict[str, float], base: str, names: list[str]) -> list[str]:
+    lines = []
     for n in names[1:]:
         ratio = f"{caps[base] / caps[n]:.2f}x" if caps[n] else ("inf (other 0)" if caps[base] else "n/a")
         lines.append(f"capacity {base}/{n}: {ratio}")
-    return "\n".join(lines)
+    return lines
 
 
 def write_compare(result: dict, args: argparse.Namespace, stem: str = "compare") -> Path:
