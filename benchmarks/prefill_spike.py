@@ -1,7 +1,7 @@
 """The prefill-spike experiment: steady decode streams while long prompts arrive periodically.
 
 Drives the engine in process (AsyncEngine, no HTTP/Ray), so the ITL measured is the scheduler's own.
-Variants: chunked prefill at fixed budgets (256, vLLM-like; 32, sized to this CPU's step cost); unchunked
+Variants: chunked prefill at fixed budgets (256; 32 and 16, sized to this CPU's step cost); unchunked
 (a 4096-token budget: each long prompt runs in one step); and tail-latency mode (--itl-slo-ms, budget from the
 step-cost model). Besides the pooled ITL distribution it reports the median of the gaps measured while no long
 prompt was being prefilled (the streams' undisturbed pace) and the duty cycle of long-prompt prefill, so a
@@ -106,9 +106,9 @@ def main() -> None:
     p.add_argument("--period-s", type=float, default=14.0)
     p.add_argument("--duration-s", type=float, default=30.0, help="per round")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--chunked-budgets", default="256,32", help="comma list of fixed chunked budgets")
+    p.add_argument("--chunked-budgets", default="256,32,16", help="comma list of fixed chunked budgets")
     p.add_argument("--unchunked-budget", type=int, default=4096)
-    p.add_argument("--itl-slo-ms", type=float, default=140.0, help="0 to skip the tail-latency variant")
+    p.add_argument("--itl-slo-ms", type=float, default=120.0, help="0 to skip the tail-latency variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "prefill_spike.json"))
     args = p.parse_args()

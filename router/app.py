@@ -45,7 +45,9 @@ class ServeArgs(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
-    memory_fraction: float = Field(0.25, gt=0, le=1)
+    memory_fraction: float = Field(0.25, gt=0, le=1)  # CPU: of MemAvailable
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
+    enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -79,13 +81,14 @@ class ServeArgs(BaseModel):
                               max_model_len=self.max_model_len, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
                               kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, scheduling=self.scheduling,
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       itl_slo_ms=self.itl_slo_ms),
-            attention_backend=self.attention_backend)
+            attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs)
 
     def ingress_settings(self) -> IngressSettings:
         name = self.served_model_name or self.model
