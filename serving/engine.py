@@ -135,9 +135,10 @@ class LLMEngine:
         # Classify chunks before update() appends the sampled tokens and moves the requests on.
         num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         updated = self.scheduler.update(sched, runner_out)
-        self.scheduler.observe_step(sched.num_scheduled_tokens, len(sched.chunks), time.perf_counter() - start)
         now = time.monotonic()
         outputs = [self._output_for(request, runner_out.sampled[request.request_id], now) for request in updated]
+        # Timed after detokenizing: the step-cost model should see all the work a stream waits for.
+        self.scheduler.observe_step(sched, time.perf_counter() - start)
         stats = EngineStepStats(
             step_time_s=time.perf_counter() - start, num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=num_prefill, num_decode_tokens=sched.num_scheduled_tokens - num_prefill,

@@ -41,6 +41,11 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_kv_tokens(self) -> int:
+        """Context the step's attention reads: each chunk attends over everything up to its end."""
+        return sum(c.end for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
 

@@ -115,11 +115,14 @@ class Scheduler:
             return limit
         if not self.step_cost.ready:
             return min(limit, max(COLD_START_BUDGET, len(self.running)))
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        prefill_pending = bool(self.waiting) or num_decodes < len(self.running)
-        floor = num_decodes + (self.config.min_prefill_tokens if prefill_pending else 0)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + list(self.waiting)[:1]
+        floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
         num_seqs = len(self.running) + (1 if self.waiting else 0)
-        fits = self.step_cost.max_tokens_within(self._target_step_s(), num_seqs)
+        fits = self.step_cost.max_tokens_within(
+            self._target_step_s(), num_seqs, num_decodes=len(decodes),
+            decode_kv_tokens=sum(r.num_tokens for r in decodes),
+            prefill_context=prefills[0].num_computed_tokens if prefills else 0)
         return min(limit, max(fits, floor, 1))
 
     def _target_step_s(self) -> float:
@@ -127,16 +130,18 @@ class Scheduler:
 
     def _batch_has_room(self) -> bool:
         """Tail-latency mode caps the batch: admit one more sequence only if a decode step over the larger
-        batch is still predicted under the target. Otherwise new requests wait (and past the queue bound
-        get 429), which keeps the admitted streams' inter-token latency."""
+        batch (the new request's prompt included in the context read) is still predicted under the target.
+        Otherwise new requests wait (and past the queue bound get 429), which keeps the admitted streams'
+        inter-token latency."""
         if self.config.itl_slo_ms is None or not self.step_cost.ready or not self.running:
             return True
         num_seqs = len(self.running) + 1
-        return self.step_cost.predict_tail(num_seqs, num_seqs) <= self._target_step_s()
+        kv_tokens = sum(r.num_tokens for r in self.running) + self.waiting[0].num_tokens
+        return self.step_cost.predict_tail(num_seqs, num_seqs, kv_tokens) <= self._target_step_s()
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        if num_tokens:
-            self.step_cost.observe(num_tokens, num_seqs, seconds)
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        if sched.chunks:
+            self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_tokens)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

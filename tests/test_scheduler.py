@@ -198,11 +198,15 @@ def test_step_cost_model_recovers_a_linear_cost():
     from conveyor.serving.step_cost import StepCostModel
 
     model = StepCostModel()
-    for i in range(200):
-        tokens, seqs = 1 + (i * 37) % 300, 1 + i % 16
-        model.observe(tokens, seqs, 0.010 + 0.0002 * tokens + 0.001 * seqs)
-    assert abs(model.predict(100, 8) - (0.010 + 0.02 + 0.008)) < 1e-3
+    for i in range(300):
+        tokens, seqs, kv = 1 + (i * 37) % 300, 1 + i % 16, (i * 997) % 20_000
+        model.observe(tokens, seqs, 0.010 + 0.0002 * tokens + 0.001 * seqs + 1e-6 * kv, kv)
+    assert abs(model.predict(100, 8, 5000) - (0.010 + 0.02 + 0.008 + 0.005)) < 1e-3
+    # 50 ms over 8 sequences: 160 tokens of short context; 4 decodes reading 4000 tokens of context plus a chunk
+    # of a prompt already 10 000 tokens long: (0.050 - 0.010 - 4 * 0.0002 - 0.008 - 0.014) / (0.0002 + 1e-6).
+    model.margin = 1.0  # the fit alone here; the margin has its own test
     assert abs(model.max_tokens_within(0.050, 8) - 160) <= 2
+    assert abs(model.max_tokens_within(0.050, 8, 4, 4000, 10_000) - (4 + 85)) <= 2
 
 
 def test_tail_latency_mode_sizes_the_budget_from_measured_step_cost():
@@ -214,8 +218,7 @@ def test_tail_latency_mode_sizes_the_budget_from_measured_step_cost():
     # Pretend the hardware costs 10 ms + 0.25 ms per token: 50 ms fits 160 tokens.
     for _ in range(20):
         sched, _ = step(scheduler, runner)
-        scheduler.observe_step(sched.num_scheduled_tokens, len(sched.chunks),
-                               0.010 + 0.00025 * sched.num_scheduled_tokens)
+        scheduler.observe_step(sched, 0.010 + 0.00025 * sched.num_scheduled_tokens)
     scheduler.add_request(make_request("long", 1000, 2))
     budget = scheduler.token_budget()
     assert 150 <= budget <= 165
@@ -251,8 +254,7 @@ def _tail_mode_scheduler_with_known_cost(per_token_s: float, **overrides):
         scheduler.add_request(make_request(f"s{i}", 8, 500, first_token=i))
     for _ in range(20):
         sched, _ = step(scheduler, runner)
-        scheduler.observe_step(sched.num_scheduled_tokens, len(sched.chunks),
-                               0.010 + per_token_s * sched.num_scheduled_tokens)
+        scheduler.observe_step(sched, 0.010 + per_token_s * sched.num_scheduled_tokens)
     return scheduler, runner
 
 
