@@ -60,6 +60,7 @@ class ServeArgs(BaseModel):
     # limits
     max_waiting_requests: int = Field(256, ge=1)
     max_waiting_tokens: int = Field(1 << 20, ge=1)
+    max_queue_wait_s: float | None = Field(None, gt=0)  # shed (429) what would wait longer for a batch slot
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replica_wait_timeout_s: float = Field(30.0, gt=0)
     ingress_max_ongoing_requests: int = Field(1000, ge=1)
@@ -87,6 +88,7 @@ class ServeArgs(BaseModel):
                                       max_num_seqs=self.max_num_seqs, scheduling=self.scheduling,
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
+                                      max_queue_wait_s=self.max_queue_wait_s,
                                       itl_slo_ms=self.itl_slo_ms),
             attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs)
 

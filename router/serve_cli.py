@@ -30,6 +30,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine replica")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine replica")
     parser.add_argument("--max-waiting-requests", type=int, default=256)
+    parser.add_argument("--max-queue-wait-s", type=float, default=None,
+                        help="also answer 429 when a request's expected wait for a batch slot exceeds this")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY)")

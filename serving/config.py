@@ -35,6 +35,10 @@ class SchedulerConfig:
     # Bounded admission: past these the engine raises QueueFullError (HTTP 429 upstream).
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1 << 20
+    # Overload shedding: refuse (429) a request whose expected wait for a batch slot exceeds this many seconds,
+    # estimated from the running requests' remaining max_tokens and recent step times. An upper bound when
+    # outputs stop early at EOS, so it sheds conservatively. None: only the queue bounds above apply.
+    max_queue_wait_s: float | None = None
     # "continuous" (iteration-level) or "static" (the baseline: a batch runs until its longest member ends).
     scheduling: str = "continuous"
     enable_chunked_prefill: bool = True
@@ -53,6 +57,8 @@ class SchedulerConfig:
             raise ValueError("itl_slo_ms must be > 0")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError("slo_headroom must be in (0, 1]")
+        if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
+            raise ValueError("max_queue_wait_s must be > 0")
         if self.min_prefill_tokens < 1:
             raise ValueError("min_prefill_tokens must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -2,6 +2,7 @@
 preemption by recompute. No torch here."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -37,6 +38,7 @@ class Scheduler:
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
         self.step_cost = StepCostModel()
+        self._mean_step_s = 0.0  # recent step time (exponential average), for expected queue waits
 
     # ---- queue state -------------------------------------------------------------------------------
     @property
@@ -60,8 +62,24 @@ class Scheduler:
             raise QueueFullError(f"waiting queue full ({len(self.waiting)} requests)")
         if self._num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens:
             raise QueueFullError(f"waiting queue full ({self._num_waiting_tokens} prompt tokens)")
+        if self.config.max_queue_wait_s is not None:
+            wait_s = self.expected_queue_wait_s()
+            if wait_s > self.config.max_queue_wait_s:
+                raise QueueFullError(f"expected wait for a batch slot ({wait_s:.1f} s) exceeds max_queue_wait_s",
+                                     retry_after_s=min(wait_s, 60.0))
         self.requests[request.request_id] = request
         self._enqueue(request)
+
+    def expected_queue_wait_s(self) -> float:
+        """How long a request arriving now would wait for a batch slot: the running requests free theirs
+        after their remaining max_tokens steps, and the requests already waiting take the first ones."""
+        slot_rank = len(self.waiting) - (self.config.max_num_seqs - len(self.running))  # 0: the first to free
+        if slot_rank < 0:
+            return 0.0
+        remaining = sorted(max(r.max_tokens - r.num_output_tokens, 1) for r in self.running)
+        if slot_rank >= len(remaining):
+            return math.inf
+        return remaining[slot_rank] * self._mean_step_s
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string); their blocks are freed now."""
@@ -141,6 +159,7 @@ class Scheduler:
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
+            self._mean_step_s += 0.1 * (seconds - self._mean_step_s)
             self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_tokens)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:

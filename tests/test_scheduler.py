@@ -282,3 +282,21 @@ def test_tail_latency_mode_caps_the_batch_where_one_more_decode_breaks_the_targe
     scheduler.finish_requests(["s0", "s1"], RequestStatus.FINISHED_ABORTED)
     sched, _ = step(scheduler, runner)
     assert "late" in scheduled_ids(sched)
+
+
+def test_overload_shedding_refuses_what_would_wait_too_long_for_a_slot():
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=2, max_queue_wait_s=2.0)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("short", 8, 12))
+    scheduler.add_request(make_request("long", 8, 52))
+    for _ in range(2):  # prefill (first token), then one decode: 10 and 50 tokens to go
+        sched, _ = step(scheduler, runner)
+        scheduler.observe_step(sched, 0.1)
+    scheduler._mean_step_s = 0.1  # the average has not converged after two steps; pin it for the arithmetic
+    assert scheduler.expected_queue_wait_s() == pytest.approx(1.0)  # the first slot frees when "short" ends
+    scheduler.add_request(make_request("first-in-line", 8, 4))
+    assert scheduler.expected_queue_wait_s() == pytest.approx(5.0)  # the next one only when "long" ends
+    with pytest.raises(QueueFullError) as refused:
+        scheduler.add_request(make_request("too-late", 8, 4))
+    assert refused.value.retry_after_s == pytest.approx(5.0)
+    assert scheduler.num_waiting == 1 and "too-late" not in scheduler.requests

@@ -1,7 +1,8 @@
 """Overload: offered load at ~3x capacity against one replica with small queue bounds.
 
-Admitted requests keep their tail latency near the unloaded one (the waiting queue is bounded, so nobody waits
-behind an unbounded backlog), the rest get 429 fast, the engine's waiting queue never exceeds its bound, and
+Admitted requests keep their tail latency near the unloaded one (the waiting queue is bounded, and the engine sheds
+a request whose expected wait for a batch slot exceeds max_queue_wait_s, so nobody waits behind a backlog), the
+rest get 429 fast, the engine's waiting queue never exceeds its bound, and
 every block is free afterwards.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ MAX_NUM_SEQS = 4
 # Half a batch: under saturation the running sequences finish staggered (one every ~S/4 for a service time S),
 # so an admitted request waits about S/2 before it joins the batch; its E2E is then ~1.5x the unloaded one.
 MAX_WAITING = 2
+# About half the unloaded service time of a request here (~0.4 s): an admitted request waits at most ~S/2 for its
+# slot, so its latency stays well inside 2x the unloaded one even when the batch's finishes bunch together.
+MAX_QUEUE_WAIT_S = 0.2
 BODY = {"prompt": "overload drill prompt", "max_tokens": 96, "ignore_eos": True}
 OVERLOAD_FACTOR = 3.0
 OVERLOAD_S = 8.0
@@ -38,6 +42,7 @@ NO_HANG_429_S = 5.0
 def base_url(serve_cluster: str, tiny_model_dir):
     args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64,
             "max_num_seqs": MAX_NUM_SEQS, "max_waiting_requests": MAX_WAITING, "torch_num_threads": 1,
+            "max_queue_wait_s": MAX_QUEUE_WAIT_S,
             "request_router_class": None}
     with deploy(args, APP, "/drill-overload"):
         yield serve_cluster + "/drill-overload"
