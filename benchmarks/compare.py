@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -34,7 +35,9 @@ from benchmarks.serving.runner import (  # noqa: E402
     RESULTS_DIR,
     add_workload_args,
     compare,
+    parse_goodput,
     ratio_table,
+    score,
     write_compare,
 )
 
@@ -191,7 +194,15 @@ def main() -> None:
     add_workload_args(p)
     p.set_defaults(num_prompts=30, goodput=["ttft:5000", "itl:300"],
                    out=str(RESULTS_DIR / "compare_smollm2.json"))
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="measure nothing: recompute a saved run's capacities and table (rewrites that JSON)")
     args = p.parse_args()
+    if args.rescore:
+        saved = json.loads(Path(args.rescore).read_text())
+        result = saved | score(saved["per_target"], saved["itl_slo_ms"], parse_goodput(saved["args"]["goodput"]))
+        Path(args.rescore).write_text(json.dumps(result, indent=1))
+        print(ratio_table(result))
+        return
     wanted = args.targets.split(",")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     py = vllm_python(args)

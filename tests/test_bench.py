@@ -92,12 +92,15 @@ def test_goodput_counts_requests_meeting_both_slos() -> None:
 
 
 def test_capacity_needs_slo_and_keeping_up() -> None:
-    def row(rate: float, p99: float, req_s: float) -> dict:
+    def row(rate: float, p99: float, req_s: float, ttft_p99: float = 100.0) -> dict:
         return {"offered_rate": rate, "failed": 0, "itl_ms": {"p50": 1.0, "p99": p99},
-                "request_throughput": req_s, "output_throughput": 10 * req_s}
+                "ttft_ms": {"p99": ttft_p99}, "request_throughput": req_s, "output_throughput": 10 * req_s}
 
     rows = [row(0.5, 100, 0.5), row(1.0, 200, 0.95), row(2.0, 250, 1.2), row(4.0, 900, 3.9)]
     assert capacity(rows, slo_ms=300) == 1.0  # 2.0 falls behind, 4.0 breaks the SLO
+    # With a TTFT SLO, keeping up is judged by TTFT (a growing queue), not by the drain-biased achieved rate.
+    rows = [row(0.5, 100, 0.3), row(1.0, 200, 0.6), row(2.0, 250, 1.2, ttft_p99=9000.0)]
+    assert capacity(rows, slo_ms=300, ttft_slo_ms=5000) == 1.0
     table = ratio_table({"per_target": {"a": rows, "b": rows}, "capacity": {"a": 1.0, "b": 0.5},
                          "itl_slo_ms": 300})
     assert "1.00x" in table and "capacity a/b: 2.00x" in table

@@ -104,13 +104,18 @@ def _itl_series(results: list) -> tuple[list[float], list[float]]:
     return ts, itl
 
 
-def capacity(rows: list[dict], slo_ms: float, keep_up: float = 0.8) -> float:
-    """Highest swept rate whose p99 ITL meets the SLO while every request completed and the achieved
-    request rate kept within keep_up of the offered one (a queue that grows is not capacity). 0 if none."""
+def capacity(rows: list[dict], slo_ms: float, ttft_slo_ms: float | None = None, keep_up: float = 0.8) -> float:
+    """Highest swept rate whose p99 ITL meets the SLO with every request completed and the system keeping up:
+    TTFT p99 within ttft_slo_ms when one is given (a queue that grows shows up as TTFT), else an achieved
+    request rate within keep_up of the offered one (biased low for short runs: the drain counts). 0 if none."""
     best = 0.0
     for r in rows:
+        if ttft_slo_ms is not None:
+            keeps_up = r["ttft_ms"]["p99"] <= ttft_slo_ms
+        else:
+            keeps_up = r["request_throughput"] >= keep_up * r["offered_rate"]
         ok = (r["failed"] == 0 and not math.isnan(r["itl_ms"]["p99"]) and r["itl_ms"]["p99"] <= slo_ms
-              and r["request_throughput"] >= keep_up * r["offered_rate"])
+              and keeps_up)
         if ok:
             best = max(best, r["offered_rate"])
     return best
@@ -137,10 +142,15 @@ def compare(targets: dict[str, str], args: argparse.Namespace) -> dict:
             per_target[name].append(summary)
     for rows in per_target.values():
         rows.sort(key=lambda r: r["offered_rate"])
-    caps = {n: capacity(rows, args.itl_slo_ms) for n, rows in per_target.items()}
+    return score(per_target, args.itl_slo_ms, parse_goodput(args.goodput))
+
+
+def score(per_target: dict[str, list[dict]], itl_slo_ms: float, goodput_slo: dict[str, float]) -> dict:
+    """Capacities of measured rows (also to re-score a saved run under a changed capacity definition)."""
+    caps = {n: capacity(rows, itl_slo_ms, goodput_slo.get("ttft")) for n, rows in per_target.items()}
     slo_caps = {n: attainment_capacity(rows) for n, rows in per_target.items()}
-    return {"per_target": per_target, "capacity": caps, "itl_slo_ms": args.itl_slo_ms,
-            "slo_attainment_capacity": slo_caps, "goodput_slo": parse_goodput(args.goodput)}
+    return {"per_target": per_target, "capacity": caps, "itl_slo_ms": itl_slo_ms,
+            "slo_attainment_capacity": slo_caps, "goodput_slo": goodput_slo}
 
 
 def ratio_table(result: dict) -> str:
@@ -161,7 +171,9 @@ def ratio_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     caps = result["capacity"]
     lines.append("")
-    lines.append(f"Capacity at p99 ITL <= {result['itl_slo_ms']:g} ms (req/s): "
+    ttft = (result.get("goodput_slo") or {}).get("ttft")
+    lines.append(f"Capacity at p99 ITL <= {result['itl_slo_ms']:g} ms"
+                 + (f" and p99 TTFT <= {ttft:g} ms" if ttft else "") + " (req/s): "
                  + ", ".join(f"{n} {c:g}" for n, c in caps.items()))
     lines += _capacity_ratios(caps, base, names)
     slo_caps = result.get("slo_attainment_capacity") or {}
