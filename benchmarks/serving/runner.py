@@ -54,11 +54,13 @@ def parse_rates(text: str) -> list[float]:
 
 
 def run_point(url: str, args: argparse.Namespace, rate: float, desc: str) -> tuple[dict, list]:
-    """One (target, rate) measurement: warm-up, then the seeded workload; the seed does not depend on
-    the target, so every target sees the same requests at the same offsets."""
-    reqs = make_workload(args.dataset, args.num_prompts, args.seed, args.input_len, args.output_len,
+    """One (target, rate) measurement: warm-up, then the seeded workload. The seed depends on the rate but not
+    on the target, so every target sees the same requests at the same offsets, and no target's prefix cache
+    holds a rate's prompts from an earlier rate (which would make later points cheaper than their load)."""
+    seed = args.seed + round(rate * 1000)
+    reqs = make_workload(args.dataset, args.num_prompts, seed, args.input_len, args.output_len,
                          args.max_prompt_len, args.max_output_len, args.max_token_id)
-    offsets = arrival_offsets(len(reqs), rate, args.burstiness, args.seed)
+    offsets = arrival_offsets(len(reqs), rate, args.burstiness, seed)
     warm = make_workload("random", args.num_warmups, args.seed + 99, 32, 8, vocab_high=args.max_token_id)
     asyncio.run(warmup(url, args.model, warm))
     results, duration = asyncio.run(run_load(url, args.model, reqs, offsets, args.max_concurrency,
