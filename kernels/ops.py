@@ -2,13 +2,16 @@
 
 Backends:
 - "reference": reference.py, the truth (slow, one sequence at a time).
-- "torch": torch_native.py, vectorized torch; the CPU default.
+- "torch": torch_native.py, vectorized torch; the CPU fallback when the C++ kernel cannot be built.
+- "cpu": our C++ kernels (csrc/cpu/, JIT-built by cpu_ext.py): decode attention for the decode rows of every
+  step (prefill rows go through torch_native's SDPA path) and the KV-cache write. The CPU default when it builds;
+  torch where it does not.
 - "triton": triton_attention.py, one varlen kernel for mixed steps (on CPU only under TRITON_INTERPRET=1).
 - "cuda": our CUDA decode kernel (csrc/) for decode-only steps; steps with prefill chunks, or shapes the CUDA
   kernel lacks, go to triton (torch where triton is missing).
 - "flash": FlashAttention's paged varlen kernel (flash.py) where it supports the dtype and block size, else
   triton.
-Heavy modules (triton, the CUDA extension, flash) are imported on first use only.
+Heavy modules (triton, the CUDA and CPU extensions, flash) are imported on first use only.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 
 from conveyor.kernels import reference, torch_native
 
-BACKENDS = ("reference", "torch", "triton", "cuda", "flash")
+BACKENDS = ("reference", "torch", "cpu", "triton", "cuda", "flash")
 
 
 @functools.cache
@@ -35,6 +38,10 @@ def _triton() -> ModuleType | None:
 
 def _cuda_ext() -> ModuleType:
     return importlib.import_module("conveyor.kernels.cuda_ext")
+
+
+def _cpu_ext() -> ModuleType:
+    return importlib.import_module("conveyor.kernels.cpu_ext")
 
 
 def _flash() -> ModuleType:
@@ -51,6 +58,8 @@ def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on this device in this process."""
     device = torch.device(device)
     names = ["reference", "torch"]
+    if device.type == "cpu" and _cpu_ext().is_available():  # builds the extension on first ask (cached on disk)
+        names.append("cpu")
     if _triton_usable(device):
         names.append("triton")
     if device.type == "cuda":
@@ -65,13 +74,15 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     """Map "auto" to the best backend for the device; ValueError for an unknown or unavailable name.
 
     auto: CUDA device -> flash if importable, else cuda (decode; triton for prefill) if the extension can be
-    built, else triton, else torch; CPU -> torch.
+    built, else triton, else torch; CPU -> cpu if the C++ kernel builds, else torch.
     """
     device = torch.device(device)
+    if name in ("reference", "torch"):  # always available: no need to build anything to say so
+        return name
     available = available_backends(device)
     if name == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "cpu" if "cpu" in available else "torch"
         for candidate in ("flash", "cuda", "triton"):
             if candidate in available:
                 return candidate
@@ -106,6 +117,10 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             backend = _fallback_backend(key.device)
     if backend == "flash":  # FlashAttention has no cache write of its own
         backend = _fallback_backend(key.device)
+    if backend == "cpu":
+        if _cpu_usable():  # a memcpy per row: 2 us for a 16-token decode step against index_copy_'s 11 us
+            return _cpu_ext().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        backend = "torch"
     if backend == "triton":
         return _triton().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     if backend != "torch":
@@ -144,12 +159,37 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return _triton().paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, max_query_len=max_query_len,
                                          max_seq_len=max_seq_len)
+    decode_fn = None
+    if backend == "cpu":
+        if _cpu_usable():
+            if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:  # pure decode: skip the row split
+                return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+            decode_fn = _cpu_decode_batch
+        backend = "torch"
     if backend != "torch":
         raise ValueError(f"unknown attention backend {backend!r}")
     return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                         query_start_loc,
                                         scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list,
-                                        finite_cache=finite_cache)
+                                        finite_cache=finite_cache, decode_fn=decode_fn)
+
+
+def _cpu_usable() -> bool:
+    """Whether the CPU kernel loads; warns once (and the caller uses torch) where it does not."""
+    try:
+        _cpu_ext().load()
+    except RuntimeError as exc:
+        _warn_once(f"cpu attention kernel unavailable ({exc}); using torch")
+        return False
+    return True
+
+
+def _cpu_decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens_list: list[int], scale: float,
+                      finite_cache: bool = False) -> torch.Tensor:
+    """torch_native.DecodeFn on the C++ kernel (which never reads unused slots, so finite_cache is moot)."""
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=query.device)
+    return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

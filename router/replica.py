@@ -69,14 +69,10 @@ class EngineReplica:
     def __init__(self, engine_config: EngineConfig, torch_num_threads: int | None = None,
                  latency_window_s: float = 60.0, model_name: str | None = None) -> None:
         # torch and the model load here, in the replica process, not when the driver imports this module.
-        import torch
-
         from conveyor.serving.async_engine import AsyncEngine
 
-        if torch_num_threads:
-            torch.set_num_threads(torch_num_threads)
         self.config = engine_config
-        self.engine = AsyncEngine.from_config(engine_config)
+        self.engine = AsyncEngine.from_config(engine_config, torch_num_threads)
         self._tokenizer = self.engine.tokenizer
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests

@@ -13,7 +13,10 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conveyor.router.app import ServeArgs
 
 logger = logging.getLogger("conveyor.serve")
 logger.setLevel(logging.INFO)  # where we listen is always worth a line, even without -v
@@ -27,7 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--config", type=Path, default=None, help="YAML file: ServeArgs or a Serve config")
     parser.add_argument("--num-replicas", type=int, default=1)
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine replica")
+    parser.add_argument("--num-cpus", type=float, default=None,
+                        help="CPUs per engine replica (Ray gives it as many torch threads); default: every core "
+                             "of this machine for a single CPU replica, else 1")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine replica")
     parser.add_argument("--max-waiting-requests", type=int, default=256)
     parser.add_argument("--max-queue-wait-s", type=float, default=None,
@@ -65,7 +70,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from conveyor.router.app import ServeArgs, build_app
 
-    cfg = ServeArgs.model_validate(serve_args_from(args, parser))  # fail on bad settings before Ray starts
+    settings = serve_args_from(args, parser)
+    cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
+    if "num_cpus" not in settings and _single_cpu_replica(cfg):
+        # Ray sets a replica's OMP_NUM_THREADS to its num_cpus: the default 1 would leave the other cores idle.
+        cfg = cfg.model_copy(update={"num_cpus": float(os.cpu_count() or 1)})
     started = time.monotonic()
     # Logical CPUs: let the requested replicas fit even where they oversubscribe a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
@@ -88,6 +97,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _single_cpu_replica(cfg: ServeArgs) -> bool:
+    fixed_one = cfg.num_replicas == 1 and cfg.autoscaling is None and cfg.autoscaling_config is None
+    return fixed_one and cfg.num_gpus == 0 and cfg.device in ("auto", "cpu")
 
 
 def _interrupt(*_: object) -> None:

@@ -90,5 +90,5 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "torch", "triton", "cuda", "flash"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton", "cuda", "flash"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

@@ -57,7 +57,7 @@ def run_point(url: str, args: argparse.Namespace, rate: float, desc: str) -> tup
     """One (target, rate) measurement: warm-up, then the seeded workload. The seed depends on the rate but not
     on the target, so every target sees the same requests at the same offsets, and no target's prefix cache
     holds a rate's prompts from an earlier rate (which would make later points cheaper than their load)."""
-    seed = args.seed + round(rate * 1000)
+    seed = args.seed + (round(rate * 1000) if math.isfinite(rate) else 0)
     reqs = make_workload(args.dataset, args.num_prompts, seed, args.input_len, args.output_len,
                          args.max_prompt_len, args.max_output_len, args.max_token_id)
     offsets = arrival_offsets(len(reqs), rate, args.burstiness, seed)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conveyor.kernels import cpu_fused
 from conveyor.serving.attention import AttentionMetadata, PagedAttention
 from conveyor.serving.models.cpu_packing import PackedLinear, pack_linears
 
@@ -93,6 +94,10 @@ class RotaryEmbedding(nn.Module):
         """cos, sin [T, 1, D/2] for the step's tokens; looked up once per step, shared by all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
+    def fused_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin float32 [T, D/2] for the fused CPU kernel, which rounds to the activations' dtype itself."""
+        return self.cos[positions], self.sin[positions]
+
 
 def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """x [T, heads, D] in the rotate-half (GPT-NeoX) layout that HF Llama checkpoints use."""
@@ -102,12 +107,25 @@ def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """With a residual, adds it first and returns (normed, sum): the sum is the next layer's residual.
+    fused: one C++ call (kernels/cpu_fused.py) instead of ~8 aten ops, updating x and residual in place."""
+
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return cpu_fused.rms_norm(x, self.weight, self.eps) if self.fused else self._norm(x)
+        if self.fused:
+            cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: Tensor) -> Tensor:
         # Normalize in float32 as transformers does, so bf16 runs match it.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -115,8 +133,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, backend: str) -> None:
+    def __init__(self, config, backend: str, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.head_dim = _head_dim(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -130,10 +149,15 @@ class Attention(nn.Module):
 
     def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), rope)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, kv_cache, meta)
+        qkv = self.qkv_proj(x)
+        if self.fused:
+            # q and k heads are adjacent in each qkv row: one in-place call rotates both.
+            cpu_fused.rotary_embedding_neox(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if not self.fused:
+            q = apply_rope(q.view(-1, self.num_heads, self.head_dim), rope).reshape(-1, self.q_size)
+            k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope).reshape(-1, self.kv_size)
+        out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out)
 
 
@@ -153,27 +177,37 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend: str) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """Carries the residual stream separately (vLLM style), so each norm can fold in the residual add."""
 
-    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: tuple[Tensor, Tensor],
-                meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, config, backend: str, fused: bool = False) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, fused)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it); residual None: first layer."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: str) -> None:
         super().__init__()
+        # The "cpu" attention backend means our C++ CPU extension is built: its fused norm and rope come along.
+        self.fused = backend == "cpu" and cpu_fused.is_available()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, self.fused)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused)
 
 
 # HF per-projection name -> (our fused parameter, index of its shard in the fused output rows).
@@ -196,10 +230,13 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """Packed varlen tokens input_ids/positions int64 [T] -> final hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(positions, x.dtype)
+        rotary = self.model.rotary_emb
+        rope = rotary.fused_tables(positions) if self.model.fused else rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]. Callers pass only the rows they sample from."""

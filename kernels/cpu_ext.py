@@ -1,0 +1,165 @@
+"""JIT build and Python wrappers of the CPU kernels in csrc/cpu/ (paged decode attention, KV-cache write;
+the fused norm and rope ops of cpu_fused.py register from the same library).
+
+Built with torch.utils.cpp_extension.load into a per-machine cache dir (-march=native is safe there), the first
+time a process asks for it; later processes reuse the build unless the sources or flags change. Needs a C++
+compiler and ninja: the `ninja` PyPI package provides one when the system has none.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import shutil
+import sys
+import sysconfig
+from types import ModuleType
+
+import torch
+
+_CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
+SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp"]
+# torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
+_VEC_CAPABILITIES = ("AVX512", "AVX2")
+
+
+def build_dir() -> pathlib.Path:
+    """CONVEYOR_CPU_BUILD_DIR, else ~/.cache/conveyor/cpu_ext: rebuilt only when sources or flags change."""
+    default = pathlib.Path.home() / ".cache" / "conveyor" / "cpu_ext"
+    return pathlib.Path(os.environ.get("CONVEYOR_CPU_BUILD_DIR", default))
+
+
+def _ninja_on_path() -> bool:
+    """Make a pip-installed ninja visible to cpp_extension (its script sits next to python, which an
+    un-activated venv does not put on PATH)."""
+    if shutil.which("ninja"):
+        return True
+    try:
+        import ninja
+
+        candidates = [ninja.BIN_DIR]
+    except ImportError:
+        candidates = []
+    candidates += [os.path.dirname(sys.executable), sysconfig.get_path("scripts")]
+    for directory in candidates:
+        if shutil.which("ninja", path=directory):
+            os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
+            return True
+    return False
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension cannot be built here, or None when it may be (the build itself can still fail)."""
+    if os.environ.get("CONVEYOR_DISABLE_CPU_EXT") == "1":
+        return "disabled by CONVEYOR_DISABLE_CPU_EXT=1"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH)"
+    if not _ninja_on_path():
+        return "ninja not found (pip install ninja)"
+    return None
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]  # the C++ standard is left to cpp_extension (what torch's headers need)
+    if sys.platform == "linux" and os.uname().machine in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    # ATen's Vectorized picks its SIMD width from CPU_CAPABILITY macros that only ATen's own build sets; match
+    # torch's runtime choice so the kernel gets real AVX-512/AVX2 vectors rather than the portable fallback.
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in _VEC_CAPABILITIES:
+        flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    return flags
+
+
+@functools.cache
+def _build() -> ModuleType | str:
+    """The built module, or why it could not be built (cached too: a failed build is not retried per call)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        # -fopenmp makes at::parallel_for's OpenMP region real; the loader resolves libgomp to the copy torch
+        # already loaded, so the kernel runs on torch's own thread pool.
+        return cpp_extension.load(
+            name="conveyor_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=os.environ.get("CONVEYOR_CPU_VERBOSE") == "1",
+        )
+    except (RuntimeError, OSError, ImportError) as exc:  # compiler errors surface as RuntimeError
+        return f"Error building extension: {exc}"
+
+
+def load() -> ModuleType:
+    """Build (first call, cached on disk) and import the extension; RuntimeError where that is impossible."""
+    built = _build()
+    if isinstance(built, str):
+        raise RuntimeError(f"conveyor CPU kernels unavailable: {built}")
+    return built
+
+
+def is_available() -> bool:
+    """Whether the extension builds and loads here (builds it on first call)."""
+    try:
+        load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention, one query token per sequence: query [B, H, D] -> [B, H, D] in query's dtype.
+
+    Table entries past a sequence's last block are never read. Tables and lengths are cast to contiguous int32
+    (free when they already are).
+    """
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    load().paged_decode(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+                        seq_lens.to(torch.int32).contiguous(), float(scale))
+    return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache[slot // block_size, slot % block_size] = key/value rows [T, KVH, D]; slot < 0 skips the token.
+
+    Rows may be strided (views of a fused qkv projection); anything else is copied to that layout first.
+    """
+    key, value = _row_layout(key), _row_layout(value)
+    load().write_kv_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.long).contiguous())
+
+
+def _row_layout(t: torch.Tensor) -> torch.Tensor:
+    """t [T, KVH, D] with each token's [KVH, D] contiguous, the layout the kernel copies rows from."""
+    if t.dim() == 3 and t.stride(2) == 1 and (t.stride(1) == t.shape[2] or t.shape[1] == 1):
+        return t
+    return t.contiguous()
+
+
+def main() -> int:
+    """`python -m conveyor.kernels.cpu_ext`: build now (set-up does this, so the first request doesn't wait for
+    the compiler). Exit 0 either way: without the extension the engine runs the torch backend."""
+    reason = unavailable_reason()
+    if reason is None:
+        built = _build()
+        reason = built if isinstance(built, str) else None
+    if reason is None:
+        print(f"conveyor CPU kernels ready in {build_dir()}")
+    else:
+        print(f"conveyor CPU kernels unavailable ({reason}); the engine will use the torch backend")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

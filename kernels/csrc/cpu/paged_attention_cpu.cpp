@@ -1,0 +1,553 @@
+// Paged decode attention (one query token per sequence) and KV-cache write for CPU.
+//
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]; query/out [B, H, D]; query head
+// h = kvh * group + g reads kv head kvh. K/V rows are read in place from the cache (no gather copy).
+//
+// Work split: one task per (sequence, partition of its context), covering every kv head. A position's K (or V)
+// row of all kv heads is one contiguous num_kv_heads * head_dim run and a block is one contiguous run of those,
+// so a task streams whole blocks and uses every cache line it (pre)fetches; a task per (sequence, kv head)
+// would read a strided third of each row (SmolLM2) and leave the rest of each line fetch to another task. Within
+// a task, each tile of 16 positions sits in L1 while every query head of every group uses it, so each K/V row
+// is loaded from memory once for its `group` queries. Contexts are split into partitions only when there are
+// too few sequences to keep every thread busy; partitions write unnormalized partial results that a cheap
+// serial pass merges (log-sum-exp rescaling). Parallel over tasks with at::parallel_for (torch's own pool).
+//
+// Softmax: two-pass within a task. Scores of the task's positions go to a thread-local buffer; then max,
+// exp and sum over that buffer; then the probability-weighted V sum. All math is fp32.
+//
+// Vectorization: at::vec::Vectorized<float>; cpu_ext.py defines CPU_CAPABILITY to match torch's, so it is
+// AVX-512 (16 floats) or AVX2 (8) where torch uses those, and the portable fallback elsewhere. Scores of a tile
+// come out of one transposed reduction under AVX-512.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+// Contexts shorter than this are never split: below it a partition's merge and task overhead outweigh the
+// better balance.
+constexpr int64_t kMinPartition = 256;
+// Tasks per thread to aim for when splitting: enough that the uneven last partitions even out.
+constexpr int64_t kTasksPerThread = 4;
+
+struct Geometry {
+  int64_t batch, heads, kv_heads, group, head_dim, block_size, max_blocks, num_blocks;
+  int64_t row_stride() const { return kv_heads * head_dim; }        // between positions in a block
+  int64_t block_stride() const { return block_size * row_stride(); }  // between blocks
+};
+
+struct Task {
+  int64_t seq, begin, end;  // positions [begin, end) of the context
+  int64_t partial;          // -1: the task covers the whole context; else its slot in the partials
+};
+
+inline Vec vec_add(const Vec& a, const Vec& b) { return a + b; }
+inline Vec vec_max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
+
+// Positions handled together: the scores of a tile come out of one transposed reduction (AVX-512), and its
+// K/V rows stay in L1 while every query of the group uses them.
+constexpr int64_t kTile = 16;
+
+// Lane-wise partial sums of q . row: NC > 0 is a head_dim of exactly NC vectors (unrolled, two chains so the
+// FMAs overlap); NC == 0 is any head_dim d.
+template <int NC>
+inline Vec dot_lanes(const float* q, const float* row, int64_t d) {
+  Vec a0(0.f), a1(0.f);
+  if constexpr (NC > 0) {
+    for (int c = 0; c + 1 < NC; c += 2) {
+      a0 = at::vec::fmadd(Vec::loadu(q + c * kVec), Vec::loadu(row + c * kVec), a0);
+      a1 = at::vec::fmadd(Vec::loadu(q + (c + 1) * kVec), Vec::loadu(row + (c + 1) * kVec), a1);
+    }
+    if constexpr (NC % 2 == 1) {
+      a0 = at::vec::fmadd(Vec::loadu(q + (NC - 1) * kVec), Vec::loadu(row + (NC - 1) * kVec), a0);
+    }
+  } else {
+    int64_t off = 0;
+    for (; off + kVec <= d; off += kVec) a0 = at::vec::fmadd(Vec::loadu(q + off), Vec::loadu(row + off), a0);
+    if (off < d) {  // loadu with a count zero-fills the missing lanes
+      a1 = at::vec::fmadd(Vec::loadu(q + off, d - off), Vec::loadu(row + off, d - off), a1);
+    }
+  }
+  return a0 + a1;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// out[i] = sum of v[slot(i)]'s lanes, where slot(i) = 4 * (i % 4) + i / 4 (the order the tree leaves them in):
+// 15 adds and 30 shuffles for 16 sums, against 8 operations per sum reducing each vector alone.
+inline __m512 transposed_sums(const __m512* v) {
+  __m512 w[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i) {  // quarters [x0+x2, x1+x3, y0+y2, y1+y3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter j: four lanes summing to v[4i + j]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // quarter j: two lanes each for v[8i + j], v[8i + 4 + j]
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  }
+  // lane 4j + k: v[4k + j]
+  return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+}
+#endif
+
+// out[t] = q . rows[t] for the count (<= kTile) rows of a tile.
+template <int NC>
+inline void score_tile(const float* q, const float* const* rows, int64_t count, int64_t d, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 v[kTile];
+#pragma GCC unroll 16
+  for (int slot = 0; slot < kTile; ++slot) {
+    const int t = 4 * (slot % 4) + slot / 4;  // the row whose sum lands in lane t
+    v[slot] = t < count ? static_cast<__m512>(dot_lanes<NC>(q, rows[t], d)) : _mm512_setzero_ps();
+  }
+  Vec(transposed_sums(v)).store(out, count);
+#else
+  for (int64_t t = 0; t < count; ++t) out[t] = at::vec::vec_reduce_all<float>(vec_add, dot_lanes<NC>(q, rows[t], d));
+#endif
+}
+
+// acc[0, d) += sum_t p[t] * rows[t][0, d) over the count rows of a tile; the accumulators stay in registers
+// across the rows (NC > 0), one independent FMA chain per vector.
+template <int NC>
+inline void weighted_tile(float* acc, const float* p, const float* const* rows, int64_t count, int64_t d) {
+  if constexpr (NC > 0) {
+    Vec s[NC];
+    for (int c = 0; c < NC; ++c) s[c] = Vec::loadu(acc + c * kVec);
+    for (int64_t t = 0; t < count; ++t) {
+      const Vec w(p[t]);
+      for (int c = 0; c < NC; ++c) s[c] = at::vec::fmadd(w, Vec::loadu(rows[t] + c * kVec), s[c]);
+    }
+    for (int c = 0; c < NC; ++c) s[c].store(acc + c * kVec);
+  } else {
+    for (int64_t off = 0; off < d; off += kVec) {
+      const int64_t m = std::min(kVec, d - off);
+      Vec s = Vec::loadu(acc + off, m);
+      for (int64_t t = 0; t < count; ++t) s = at::vec::fmadd(Vec(p[t]), Vec::loadu(rows[t] + off, m), s);
+      s.store(acc + off, m);
+    }
+  }
+}
+
+// One task's fp32 inputs: queries q [heads, d] (pre-scaled); position t's row of all kv heads starts at
+// k + offset[t] (v + offset[t]), kv head h at + h * d.
+struct TaskView {
+  const float *q, *k, *v;
+  const int64_t* offset;
+  int64_t n, kv_heads, group, d;
+};
+
+// Software prefetch of the tiles ahead: blocks sit at random places in the cache, so the hardware prefetcher
+// loses the stream at every block boundary, and once K/V outgrow the L3 (a 30-layer model's cache always does)
+// the kernel waited on DRAM for most of its time. Measured on a 2-core EPYC VM, batch 16 x context 2000 (49 MB
+// of K/V), one thread: 6.4 ms without, 3.1 ms prefetching the next tile in one burst at its start, 2.7 ms with
+// the requests spread over the tile's work and two tiles ahead. prefetcht2 (to L2): prefetcht0 requests hold L1
+// miss buffers, and a tile's 192 lines of them stalled the arithmetic (5.4 ms).
+constexpr int64_t kPrefetchTiles = 2;
+
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  // Not __builtin_prefetch: GCC -O3 deleted the loops below whenever it could see they did nothing but prefetch
+  // (which inlining decided, so it came and went with unrelated edits). asm volatile always stays.
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
+// Prefetches rows [first, last) (clamped to n) of the task: every cache line of each row's kv heads.
+inline void prefetch_rows(const float* base, const int64_t* offset, int64_t first, int64_t last, int64_t n,
+                          int64_t row_floats) {
+  const int64_t row_bytes = row_floats * static_cast<int64_t>(sizeof(float));
+  for (int64_t t = first; t < std::min(n, last); ++t) {
+    const char* row = reinterpret_cast<const char*>(base + offset[t]);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_l2(row + byte);
+  }
+}
+
+// Slice `part` of the rows of the tile kPrefetchTiles ahead of t0. A tile's prefetches go out in slices, one
+// before each query head's work on the tile at t0, so that they interleave with the arithmetic instead of
+// arriving in one burst.
+inline void prefetch_ahead(const float* base, const int64_t* offset, int64_t t0, int64_t part, int64_t slice,
+                           int64_t n, int64_t row_floats) {
+  const int64_t first = t0 + kPrefetchTiles * kTile + part * slice;
+  prefetch_rows(base, offset, first, first + slice, n, row_floats);
+}
+
+// acc[h] = sum_t exp(s_ht - max_h) v_t with s_ht = q_h . k_t, and max_h, sum_h = sum_t exp(s_ht - max_h), for
+// every query head h (kv head h / group).
+template <int NC>
+void attend(const TaskView& x, float* scores, float* acc, float* maxes, float* sums) {
+  const int64_t heads = x.kv_heads * x.group, row_floats = x.kv_heads * x.d;
+  const int64_t slice = (kTile + heads - 1) / heads;
+  const float* rows[kTile];
+  // Pass 1: scores [heads, n].
+  prefetch_rows(x.k, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
+    const int64_t count = std::min(kTile, x.n - t0);
+    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < count; ++t) rows[t] = x.k + x.offset[t0 + t] + kvh * x.d;
+      for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
+        prefetch_ahead(x.k, x.offset, t0, h, slice, x.n, row_floats);
+        score_tile<NC>(x.q + h * x.d, rows, count, x.d, scores + h * x.n + t0);
+      }
+    }
+  }
+  // Pass 2: softmax numerators in place, with their max and sum per query head; V's first tiles load meanwhile.
+  prefetch_rows(x.v, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores + h * x.n;
+    const float m = at::vec::reduce_all<float>(vec_max, row, x.n);
+    Vec total(0.f);
+    int64_t t = 0;
+    for (; t + kVec <= x.n; t += kVec) {
+      const Vec e = (Vec::loadu(row + t) - Vec(m)).exp_u20();
+      e.store(row + t);
+      total = total + e;
+    }
+    float sum = at::vec::vec_reduce_all<float>(vec_add, total);
+    for (; t < x.n; ++t) {
+      row[t] = std::exp(row[t] - m);
+      sum += row[t];
+    }
+    maxes[h] = m;
+    sums[h] = sum;
+  }
+  // Pass 3: probability-weighted V rows.
+  std::fill(acc, acc + heads * x.d, 0.f);
+  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
+    const int64_t count = std::min(kTile, x.n - t0);
+    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < count; ++t) rows[t] = x.v + x.offset[t0 + t] + kvh * x.d;
+      for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
+        prefetch_ahead(x.v, x.offset, t0, h, slice, x.n, row_floats);
+        weighted_tile<NC>(acc + h * x.d, scores + h * x.n + t0, rows, count, x.d);
+      }
+    }
+  }
+}
+
+void attend_any(const TaskView& x, float* scores, float* acc, float* maxes, float* sums) {
+  // Unrolled variants for head dims of whole vectors (32/64/128 with AVX-512, 32/64 with AVX2), else generic.
+  switch (x.d % kVec == 0 ? x.d / kVec : 0) {
+    case 1: return attend<1>(x, scores, acc, maxes, sums);
+    case 2: return attend<2>(x, scores, acc, maxes, sums);
+    case 3: return attend<3>(x, scores, acc, maxes, sums);
+    case 4: return attend<4>(x, scores, acc, maxes, sums);
+    case 6: return attend<6>(x, scores, acc, maxes, sums);
+    case 8: return attend<8>(x, scores, acc, maxes, sums);
+    default: return attend<0>(x, scores, acc, maxes, sums);
+  }
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n, float scale = 1.f) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+  } else {
+    using TVec = at::vec::Vectorized<T>;
+    int64_t i = 0;
+    for (; i + TVec::size() <= n; i += TVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(TVec::loadu(src + i));
+      (lo * Vec(scale)).store(dst + i);
+      (hi * Vec(scale)).store(dst + i + kVec);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  }
+}
+
+// Per-thread scratch, grown on demand and reused across tasks and calls (the pool's threads persist).
+struct Scratch {
+  std::vector<float> q, scores, acc, maxes, sums, k, v;
+  std::vector<int64_t> offset;
+  void fit(const Geometry& g, int64_t n, bool convert) {
+    q.resize(g.heads * g.head_dim);
+    acc.resize(g.heads * g.head_dim);
+    maxes.resize(g.heads);
+    sums.resize(g.heads);
+    if (static_cast<int64_t>(scores.size()) < g.heads * n) scores.resize(g.heads * n);
+    if (static_cast<int64_t>(offset.size()) < n) offset.resize(n);
+    if (convert && static_cast<int64_t>(k.size()) < n * g.row_stride()) {
+      k.resize(n * g.row_stride());
+      v.resize(n * g.row_stride());
+    }
+  }
+};
+
+// Computes one task into s.acc (unnormalized), s.maxes and s.sums. float caches are read in place; bf16/fp16
+// rows are converted once into scratch (each row is then read by every query of its group as fp32).
+template <typename T>
+void run_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* tables,
+              float scale, const Geometry& g, Scratch& s) {
+  constexpr bool convert = !std::is_same_v<T, float>;
+  const int64_t n = task.end - task.begin;
+  s.fit(g, n, convert);
+  // Folding the scale into q spares a multiply per score.
+  to_float(query + task.seq * g.heads * g.head_dim, s.q.data(), g.heads * g.head_dim, scale);
+  // Element offset of each position's row; only the table entries of blocks the task covers are read.
+  const int32_t* table = tables + task.seq * g.max_blocks;
+  const int64_t block_size = g.block_size, row_stride = g.row_stride(), block_stride = g.block_stride();
+  int64_t* offset = s.offset.data();
+  for (int64_t pos = task.begin; pos < task.end;) {
+    const int64_t block = pos / block_size, end = std::min(task.end, (block + 1) * block_size);
+    int64_t at = table[block] * block_stride + (pos - block * block_size) * row_stride;
+    for (; pos < end; ++pos, at += row_stride) offset[pos - task.begin] = at;
+  }
+  TaskView view{s.q.data(), nullptr, nullptr, offset, n, g.kv_heads, g.group, g.head_dim};
+  if constexpr (convert) {
+    for (int64_t t = 0; t < n; ++t) {
+      to_float(key_cache + offset[t], s.k.data() + t * row_stride, row_stride);
+      to_float(value_cache + offset[t], s.v.data() + t * row_stride, row_stride);
+      offset[t] = t * row_stride;
+    }
+    view.k = s.k.data();
+    view.v = s.v.data();
+  } else {
+    view.k = key_cache;
+    view.v = value_cache;
+  }
+  attend_any(view, s.scores.data(), s.acc.data(), s.maxes.data(), s.sums.data());
+}
+
+template <typename T>
+void store_row(T* dst, const float* src, float factor, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * factor);
+}
+
+// Tasks for every sequence: contexts longer than the partition length are split into near-equal partitions
+// that start on block boundaries. Tasks of one sequence are adjacent, in context order.
+std::vector<Task> plan(const std::vector<int64_t>& lens, const Geometry& g, int64_t* num_partials) {
+  int64_t total = 0;
+  for (int64_t len : lens) total += len;
+  const int64_t target = kTasksPerThread * at::get_num_threads();
+  const int64_t limit = std::max(kMinPartition, (total + target - 1) / target);
+  std::vector<Task> tasks;
+  *num_partials = 0;
+  for (int64_t i = 0; i < g.batch; ++i) {
+    const int64_t len = lens[i];
+    if (len == 0) continue;
+    const int64_t parts = (len + limit - 1) / limit;
+    const int64_t blocks = (len + g.block_size - 1) / g.block_size;
+    const int64_t part = (blocks + parts - 1) / parts * g.block_size;
+    for (int64_t begin = 0; begin < len; begin += part) {
+      tasks.push_back({i, begin, std::min(len, begin + part), parts > 1 ? (*num_partials)++ : -1});
+    }
+  }
+  return tasks;
+}
+
+template <typename T>
+void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                       const std::vector<int64_t>& lens, float scale, const Geometry& g) {
+  int64_t num_partials = 0;
+  const std::vector<Task> tasks = plan(lens, g, &num_partials);
+  const int64_t hd = g.heads * g.head_dim;
+  // Partial results: [num_partials, heads] max and sum, [num_partials, heads, head_dim] accumulators.
+  std::vector<float> part_max(num_partials * g.heads), part_sum(num_partials * g.heads);
+  std::vector<float> part_acc(num_partials * hd);
+  T* out_ptr = out.data_ptr<T>();
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
+
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch s;
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      run_task(task, q_ptr, k_ptr, v_ptr, table_ptr, scale, g, s);
+      if (task.partial < 0) {
+        for (int64_t h = 0; h < g.heads; ++h) {
+          store_row(out_ptr + task.seq * hd + h * g.head_dim, s.acc.data() + h * g.head_dim, 1.f / s.sums[h],
+                    g.head_dim);
+        }
+      } else {
+        std::copy_n(s.maxes.begin(), g.heads, part_max.begin() + task.partial * g.heads);
+        std::copy_n(s.sums.begin(), g.heads, part_sum.begin() + task.partial * g.heads);
+        std::copy_n(s.acc.begin(), hd, part_acc.begin() + task.partial * hd);
+      }
+    }
+  });
+
+  // Merge split contexts: the partials of one sequence are rescaled to their common max.
+  std::vector<float> merged(g.head_dim);
+  for (size_t i = 0; i < tasks.size();) {
+    size_t j = i + 1;
+    while (j < tasks.size() && tasks[j].seq == tasks[i].seq) ++j;
+    if (tasks[i].partial >= 0) {
+      for (int64_t h = 0; h < g.heads; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (size_t p = i; p < j; ++p) m = std::max(m, part_max[tasks[p].partial * g.heads + h]);
+        float sum = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (size_t p = i; p < j; ++p) {
+          const int64_t slot = tasks[p].partial * g.heads + h;
+          const float w = std::exp(part_max[slot] - m);
+          sum += w * part_sum[slot];
+          const float* acc = part_acc.data() + slot * g.head_dim;
+          for (int64_t d = 0; d < g.head_dim; ++d) merged[d] += w * acc[d];
+        }
+        store_row(out_ptr + tasks[i].seq * hd + h * g.head_dim, merged.data(), 1.f / sum, g.head_dim);
+      }
+    }
+    i = j;
+  }
+
+  // A sequence with an empty context has nothing to attend to: zeros rather than 0/0.
+  for (int64_t i = 0; i < g.batch; ++i) {
+    if (lens[i] == 0) std::fill_n(out_ptr + i * hd, hd, static_cast<T>(0));
+  }
+}
+
+bool is_attention_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+}
+
+// Host copies of seq_lens, checked against the table width; every table entry a sequence uses must name a
+// real block (entries past its last block may hold anything and are never read).
+std::vector<int64_t> checked_lens(const at::Tensor& block_tables, const at::Tensor& seq_lens, const Geometry& g) {
+  const int32_t* lens_ptr = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<int64_t> lens(g.batch);
+  for (int64_t i = 0; i < g.batch; ++i) {
+    lens[i] = lens_ptr[i];
+    TORCH_CHECK(lens[i] >= 0 && lens[i] <= g.max_blocks * g.block_size, "seq_lens[", i, "] = ", lens[i],
+                " is outside [0, max_blocks * block_size = ", g.max_blocks * g.block_size, "]");
+    const int64_t used = (lens[i] + g.block_size - 1) / g.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t block = tables[i * g.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < g.num_blocks, "block_tables[", i, ", ", b, "] = ", block,
+                  " is not a block of the cache (", g.num_blocks, " blocks)");
+    }
+  }
+  return lens;
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  double scale) {
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), "query and out must be CPU tensors");
+  TORCH_CHECK(query.dim() == 3, "query must be [batch, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must match query ", query.sizes());
+  TORCH_CHECK(is_attention_dtype(query.scalar_type()), "query dtype must be float32, bfloat16 or float16, got ",
+              query.scalar_type());
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
+              " and value_cache ", value_cache.sizes(), " differ in shape");
+  for (const at::ScalarType t : {out.scalar_type(), key_cache.scalar_type(), value_cache.scalar_type()}) {
+    TORCH_CHECK(t == query.scalar_type(), "out and caches must have query's dtype ", query.scalar_type(),
+                ", got ", t);
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [batch, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int32 [batch] tensor");
+  TORCH_CHECK(block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "block_tables and seq_lens must be CPU tensors");
+  Geometry g{};
+  g.batch = query.size(0);
+  g.heads = query.size(1);
+  g.head_dim = query.size(2);
+  g.num_blocks = key_cache.size(0);
+  g.block_size = key_cache.size(1);
+  g.kv_heads = key_cache.size(2);
+  g.max_blocks = block_tables.size(1);
+  TORCH_CHECK(key_cache.size(3) == g.head_dim, "cache head_dim ", key_cache.size(3), " != query head_dim ",
+              g.head_dim);
+  TORCH_CHECK(g.kv_heads > 0 && g.heads % g.kv_heads == 0, "num_heads ", g.heads,
+              " must be a multiple of num_kv_heads ", g.kv_heads);
+  TORCH_CHECK(g.block_size > 0, "block_size must be positive");
+  TORCH_CHECK(block_tables.size(0) == g.batch && seq_lens.size(0) == g.batch, "block_tables and seq_lens need ",
+              g.batch, " rows (one per query)");
+  g.group = g.heads / g.kv_heads;
+  if (g.batch == 0) return;
+  const std::vector<int64_t> lens = checked_lens(block_tables, seq_lens, g);
+  // An explicit switch rather than AT_DISPATCH_FLOATING_TYPES_AND2: float64 would need a float64 accumulator to
+  // honour its precision, and nothing serves in it.
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return paged_decode_impl<float>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
+    case at::kBFloat16:
+      return paged_decode_impl<at::BFloat16>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
+    case at::kHalf:
+      return paged_decode_impl<at::Half>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+}
+
+// cache[slot // block_size, slot % block_size] = key/value rows; slot < 0 skips the token. Rows of key/value may
+// be strided (views of a fused qkv projection) as long as each row's [num_kv_heads, head_dim] is contiguous.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                    const at::Tensor& slot_mapping) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache differ in shape");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous()
+              && slot_mapping.device().is_cpu(), "slot_mapping must be a contiguous int64 [num_tokens] CPU tensor");
+  const int64_t tokens = slot_mapping.size(0);
+  const int64_t row = key_cache.size(2) * key_cache.size(3);
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == tokens && t->size(1) == key_cache.size(2)
+                && t->size(2) == key_cache.size(3), "key/value must be [num_tokens, num_kv_heads, head_dim] "
+                "matching the cache, got ", t->sizes());
+    TORCH_CHECK(t->stride(2) == 1 && (t->stride(1) == key_cache.size(3) || t->size(1) == 1),
+                "each token's [num_kv_heads, head_dim] of key/value must be contiguous");
+    TORCH_CHECK(t->scalar_type() == key_cache.scalar_type(), "key/value dtype must match the cache's");
+  }
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
+  const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot_ptr[t] < slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is past the cache (", slots,
+                " slots)");
+  }
+  const int64_t bytes = row * key_cache.element_size();
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  auto* k_dst = static_cast<char*>(key_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(value_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  // A decode step writes a handful of rows: a plain loop beats a parallel region's fork; a prefill's thousands
+  // of rows are worth spreading.
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot_ptr[t] < 0) continue;
+      std::memcpy(k_dst + slot_ptr[t] * bytes, k_src + t * k_stride, bytes);
+      std::memcpy(v_dst + slot_ptr[t] * bytes, v_src + t * v_stride, bytes);
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention (one query token per sequence)", py::arg("out"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"));
+  m.def("write_kv_cache", &write_kv_cache, "Scatter key/value rows into the paged caches (slot < 0 skips)",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
+}
