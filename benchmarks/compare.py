@@ -182,6 +182,27 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def rescore(paths: list[Path]) -> None:
+    """One run: rewrite it under the current capacity definitions. Several: print the capacities of their rows
+    merged per target (rates from separate runs of the same settings), rewriting nothing."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    for path, saved in zip(paths, runs, strict=True):
+        result = saved | score(saved["per_target"], saved["itl_slo_ms"], parse_goodput(saved["args"]["goodput"]))
+        if len(paths) == 1:
+            path.write_text(json.dumps(result, indent=1))
+        print(f"## {path.name}\n{ratio_table(result)}\n")
+    if len(paths) > 1:
+        merged: dict[str, list[dict]] = {}
+        for saved in runs:
+            for name, rows in saved["per_target"].items():
+                merged.setdefault(name, []).extend(rows)
+        first = runs[0]
+        result = score(merged, first["itl_slo_ms"], parse_goodput(first["args"]["goodput"]))
+        print(f"## merged: {', '.join(p.name for p in paths)}")
+        print("capacity (p99 ITL + TTFT p99):", result["capacity"])
+        print("capacity (>= 90% attainment):", result["slo_attainment_capacity"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="slo,continuous,static,vllm,hf",
@@ -197,14 +218,12 @@ def main() -> None:
     add_workload_args(p)
     p.set_defaults(num_prompts=30, goodput=["ttft:5000", "itl:300"],
                    out=str(RESULTS_DIR / "compare_smollm2.json"))
-    p.add_argument("--rescore", default=None, metavar="JSON",
-                   help="measure nothing: recompute a saved run's capacities and table (rewrites that JSON)")
+    p.add_argument("--rescore", default=None, metavar="JSON[,JSON...]",
+                   help="measure nothing: recompute a saved run's capacities and table (rewrites that JSON); "
+                        "with several runs, print the capacities over their rows merged per target")
     args = p.parse_args()
     if args.rescore:
-        saved = json.loads(Path(args.rescore).read_text())
-        result = saved | score(saved["per_target"], saved["itl_slo_ms"], parse_goodput(saved["args"]["goodput"]))
-        Path(args.rescore).write_text(json.dumps(result, indent=1))
-        print(ratio_table(result))
+        rescore([Path(p) for p in args.rescore.split(",")])
         return
     wanted = args.targets.split(",")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,9 @@ def test_capacity_needs_slo_and_keeping_up() -> None:
     # With a TTFT SLO, keeping up is judged by TTFT (a growing queue), not by the drain-biased achieved rate.
     rows = [row(0.5, 100, 0.3), row(1.0, 200, 0.6), row(2.0, 250, 1.2, ttft_p99=9000.0)]
     assert capacity(rows, slo_ms=300, ttft_slo_ms=5000) == 1.0
+    # A pass above a failing rate does not count: the short run at 2.0 had not yet shown the queue of 1.5.
+    rows = [row(0.5, 100, 0.5), row(1.5, 200, 1.4, ttft_p99=6000.0), row(2.0, 250, 1.9), row(1.0, 150, 1.0)]
+    assert capacity(rows, slo_ms=300, ttft_slo_ms=5000) == 1.0
     table = ratio_table({"per_target": {"a": rows, "b": rows}, "capacity": {"a": 1.0, "b": 0.5},
                          "itl_slo_ms": 300})
     assert "1.00x" in table and "capacity a/b: 2.00x" in table
@@ -112,6 +115,7 @@ def test_slo_attainment_capacity_is_the_highest_rate_where_nine_in_ten_meet_the_
 
     assert attainment_capacity([row(0.5, 20), row(1.0, 18), row(2.0, 17)]) == 1.0
     assert attainment_capacity([row(0.5, 17)]) == 0.0
+    assert attainment_capacity([row(2.0, 20), row(0.5, 19), row(1.0, 16)]) == 0.5
     assert attainment_capacity([{"offered_rate": 1.0, "num_requests": 20}]) is None  # no --goodput given
 
 

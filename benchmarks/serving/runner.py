@@ -106,30 +106,38 @@ def _itl_series(results: list) -> tuple[list[float], list[float]]:
     return ts, itl
 
 
-def capacity(rows: list[dict], slo_ms: float, ttft_slo_ms: float | None = None, keep_up: float = 0.8) -> float:
-    """Highest swept rate whose p99 ITL meets the SLO with every request completed and the system keeping up:
-    TTFT p99 within ttft_slo_ms when one is given (a queue that grows shows up as TTFT), else an achieved
-    request rate within keep_up of the offered one (biased low for short runs: the drain counts). 0 if none."""
+def _highest_passing_run(rows: list[dict], passes) -> float:  # noqa: ANN001 - a predicate on one row
+    """Highest swept rate such that it and every lower swept rate pass: a system that fails at 1.5 req/s but
+    passes at 2 (a short run that had not yet shown its queue) gets 1, not 2. 0 if the lowest fails."""
     best = 0.0
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["offered_rate"]):
+        if not passes(r):
+            break
+        best = r["offered_rate"]
+    return best
+
+
+def capacity(rows: list[dict], slo_ms: float, ttft_slo_ms: float | None = None, keep_up: float = 0.8) -> float:
+    """Capacity at a p99 ITL SLO: every request completed, p99 ITL within the SLO and the system keeping up:
+    TTFT p99 within ttft_slo_ms when one is given (a queue that grows shows up as TTFT), else an achieved
+    request rate within keep_up of the offered one (biased low for short runs: the drain counts)."""
+    def passes(r: dict) -> bool:
         if ttft_slo_ms is not None:
             keeps_up = r["ttft_ms"]["p99"] <= ttft_slo_ms
         else:
             keeps_up = r["request_throughput"] >= keep_up * r["offered_rate"]
-        ok = (r["failed"] == 0 and not math.isnan(r["itl_ms"]["p99"]) and r["itl_ms"]["p99"] <= slo_ms
-              and keeps_up)
-        if ok:
-            best = max(best, r["offered_rate"])
-    return best
+        return (r["failed"] == 0 and not math.isnan(r["itl_ms"]["p99"]) and r["itl_ms"]["p99"] <= slo_ms
+                and keeps_up)
+
+    return _highest_passing_run(rows, passes)
 
 
 def attainment_capacity(rows: list[dict], attainment: float = 0.9) -> float | None:
-    """Highest swept rate at which at least `attainment` of the requests met every goodput SLO (the
-    DistServe definition of capacity under an SLO); None without --goodput."""
+    """Capacity as the share of requests that met every goodput SLO (at least `attainment`, the DistServe
+    definition), over the same monotone run of rates; None without --goodput."""
     if not rows or "good_requests" not in rows[0]:
         return None
-    return max((r["offered_rate"] for r in rows if r["good_requests"] >= attainment * r["num_requests"]),
-               default=0.0)
+    return _highest_passing_run(rows, lambda r: r["good_requests"] >= attainment * r["num_requests"])
 
 
 def compare(targets: dict[str, str], args: argparse.Namespace) -> dict:
