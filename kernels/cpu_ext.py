@@ -8,6 +8,7 @@ compiler and ninja: the `ninja` PyPI package provides one when the system has no
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import pathlib
 import shutil
@@ -24,8 +25,11 @@ _VEC_CAPABILITIES = ("AVX512", "AVX2")
 
 
 def build_dir() -> pathlib.Path:
-    """CONVEYOR_CPU_BUILD_DIR, else ~/.cache/conveyor/cpu_ext: rebuilt only when sources or flags change."""
-    default = pathlib.Path.home() / ".cache" / "conveyor" / "cpu_ext"
+    """CONVEYOR_CPU_BUILD_DIR, else ~/.cache/conveyor/cpu_ext/<checkout>: rebuilt only when sources or flags
+    change. One folder per checkout, because torch rebuilds when the source paths differ: two clones sharing one
+    folder would each rebuild the other's library, and a replica starting meanwhile would wait for the compiler."""
+    checkout = hashlib.sha1(str(_CSRC.resolve()).encode()).hexdigest()[:12]
+    default = pathlib.Path.home() / ".cache" / "conveyor" / "cpu_ext" / checkout
     return pathlib.Path(os.environ.get("CONVEYOR_CPU_BUILD_DIR", default))
 
 

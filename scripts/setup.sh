@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
-# Our C++ CPU kernels (attention, fused norm/rope): compiled once into ~/.cache/conveyor/cpu_ext (~40 s cold).
+# Our C++ CPU kernels (attention, fused norm/rope): compiled once per checkout into ~/.cache/conveyor/cpu_ext/ (~40 s cold).
 .venv/bin/python -m conveyor.kernels.cpu_ext
 # The Prometheus server the metrics tests start (Debian package; idempotent).
 if ! command -v prometheus >/dev/null 2>&1; then
