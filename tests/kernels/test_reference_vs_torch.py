@@ -38,13 +38,18 @@ def test_chunked_decode_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rel_err(out, reference.paged_attention(*case.to(torch.float64).args())) < 1e-5
 
 
+# The C++ CPU backend's cache write too, where its extension builds (tests/kernels/test_cpu_kernels.py has the rest).
+WRITE_BACKENDS = ["torch"] + (["cpu"] if "cpu" in ops.available_backends("cpu") else [])
+
+
+@pytest.mark.parametrize("backend", WRITE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_write_kv_cache_matches_reference(dtype: torch.dtype, block_size: int) -> None:
+def test_write_kv_cache_matches_reference(dtype: torch.dtype, block_size: int, backend: str) -> None:
     key, value, kc, vc, slots = make_kv_write(11, 2, 8, block_size, num_blocks=12, dtype=dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     reference.write_kv_cache(key, value, kc_ref, vc_ref, slots)
-    ops.write_kv_cache(key, value, kc, vc, slots, backend="torch")
+    ops.write_kv_cache(key, value, kc, vc, slots, backend=backend)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
