@@ -51,7 +51,8 @@ async def long_prompts(engine, args: argparse.Namespace, t0: float) -> list[Requ
 
 
 async def run_variant(budget: int, slo: float | None, args: argparse.Namespace) -> dict:
-    engine = make_engine(args.model, budget, max_num_seqs=32, itl_slo_ms=slo)
+    engine = make_engine(args.model, budget, max_num_seqs=32, itl_slo_ms=slo,
+                         min_prefill_tokens=args.min_prefill_tokens)
     try:
         warm = build_requests([(64, 8)] * 2, seed=999)
         await asyncio.gather(*(stream_one(engine, r, time.perf_counter()) for r in warm))
@@ -109,6 +110,8 @@ def main() -> None:
     p.add_argument("--chunked-budgets", default="256,32,16", help="comma list of fixed chunked budgets")
     p.add_argument("--unchunked-budget", type=int, default=4096)
     p.add_argument("--itl-slo-ms", type=float, default=120.0, help="0 to skip the tail-latency variant")
+    p.add_argument("--min-prefill-tokens", type=int, default=16,
+                   help="tail-latency mode's per-step prefill floor (SchedulerConfig.min_prefill_tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "prefill_spike.json"))
     args = p.parse_args()
