@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--chunked-budgets", default="256,32,16", help="comma list of fixed chunked budgets")
     p.add_argument("--unchunked-budget", type=int, default=4096)
     p.add_argument("--itl-slo-ms", type=float, default=120.0, help="0 to skip the tail-latency variant")
-    p.add_argument("--min-prefill-tokens", type=int, default=16,
+    p.add_argument("--min-prefill-tokens", type=int, default=8,
                    help="tail-latency mode's per-step prefill floor (SchedulerConfig.min_prefill_tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "prefill_spike.json"))

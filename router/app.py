@@ -40,6 +40,9 @@ class ServeArgs(BaseModel):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_num_threads: int | None = Field(None, ge=1)  # several replicas on one host: split the cores
+    # Step the engine in a child process of the replica (its own GIL, as vLLM's EngineCore): Serve's request
+    # machinery then cannot slow the steps down. False: a thread inside the replica process.
+    engine_process: bool = True
     # engine
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
@@ -138,7 +141,8 @@ def _importable(path: str) -> bool:
 def build_app(args: dict[str, Any] | ServeArgs | None = None) -> serve.Application:
     cfg = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
     engine = EngineReplica.options(**cfg.replica_options()).bind(
-        cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model)
+        cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model,
+        engine_process=cfg.engine_process)
     ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,
                               ray_actor_options={"num_cpus": 0})  # I/O only: never take an engine's CPU
     return ingress.bind(engine, cfg.ingress_settings())

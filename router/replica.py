@@ -27,7 +27,7 @@ ROUTING_PREFIX_CHARS = 2048
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
-                 messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+                 messages: list[dict[str, str]] | None = None, stream: bool = True) -> dict[str, Any]:
     """The record the ingress sends: the first positional argument of `generate`.
 
     `routing_prefix` is what the request router (router/routing.py) reads for prefix affinity. It only needs
@@ -41,7 +41,17 @@ def make_request(prompt: str | list[int] | None, params: SamplingParams, request
     else:
         prefix = ",".join(map(str, prompt or []))
     return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
-            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS]}
+            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS], "stream": stream}
+
+
+def coalesce(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive records of one request as one: texts and logprobs joined, tokens summed, the last's end."""
+    merged = dict(records[-1])
+    merged["text"] = "".join(r["text"] for r in records)
+    merged["num_tokens"] = sum(r["num_tokens"] for r in records)
+    if any("logprobs" in r for r in records):
+        merged["logprobs"] = [entry for r in records for entry in r.get("logprobs", [])]
+    return merged
 
 
 class LatencyWindow:
@@ -67,12 +77,15 @@ class LatencyWindow:
 @serve.deployment(name="EngineReplica", max_ongoing_requests=1024, health_check_period_s=5)
 class EngineReplica:
     def __init__(self, engine_config: EngineConfig, torch_num_threads: int | None = None,
-                 latency_window_s: float = 60.0, model_name: str | None = None) -> None:
-        # torch and the model load here, in the replica process, not when the driver imports this module.
+                 latency_window_s: float = 60.0, model_name: str | None = None,
+                 engine_process: bool = True) -> None:
+        # torch and the model load here (or in the engine's child process), not when the driver imports us.
         from conveyor.serving.async_engine import AsyncEngine
+        from conveyor.serving.engine_process import ProcessEngine
 
         self.config = engine_config
-        self.engine = AsyncEngine.from_config(engine_config, torch_num_threads)
+        engine_cls = ProcessEngine if engine_process else AsyncEngine
+        self.engine = engine_cls.from_config(engine_config, torch_num_threads)
         self._tokenizer = self.engine.tokenizer
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
@@ -107,12 +120,21 @@ class EngineReplica:
             last = time.monotonic()
             self._ttft.add(last - start)
             yield self._record(output) | {"replica": self._replica_id}
+            # A client that is not streaming reads nothing until the end: send it the rest as one record, not
+            # one per token (each record costs both processes an RPC; ~850 a second in the overload drill).
+            per_token = request.get("stream", True)
+            pending: list[dict[str, Any]] = []
             while not output.finished:
                 output = await anext(stream)
                 now = time.monotonic()
                 self._itl.add(now - last)
                 last = now
-                yield self._record(output)
+                if per_token:
+                    yield self._record(output)
+                else:
+                    pending.append(self._record(output))
+            if pending:
+                yield coalesce(pending)
         finally:
             if not output.finished:
                 self._num_aborted += 1
@@ -122,16 +144,15 @@ class EngineReplica:
         """Token ids (tokenized once, here): the length decides an unset max_tokens."""
         prompt = request["prompt"]
         if request.get("messages") is not None:
-            prompt = self.engine.engine.apply_chat_template(request["messages"])
-        return self.engine.engine.tokenize(prompt)
+            prompt = self.engine.apply_chat_template(request["messages"])
+        return self.engine.tokenize(prompt)
 
     def _params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         # OpenAI clients often omit max_tokens ("up to the context"). The engine would refuse that when this
         # replica's KV cache is smaller than the context, so cap it at what can ever fit here instead.
         if params.max_tokens is not None:
             return params
-        engine = self.engine.engine
-        room = min(engine.max_model_len, engine.kv_cache.max_tokens_ever()) - num_prompt
+        room = min(self.engine.max_model_len, self.engine.max_tokens_ever) - num_prompt
         return dataclasses.replace(params, max_tokens=room) if room >= 1 else params
 
     def _record(self, out: RequestOutput) -> dict[str, Any]:
@@ -165,15 +186,13 @@ class EngineReplica:
 
     def check_health(self) -> None:
         if not self.engine.is_alive():
-            raise RuntimeError("engine thread is not running")
+            raise RuntimeError("engine is not running")
 
     def engine_state(self) -> dict[str, int]:
         """Block accounting, for tests: a finished or aborted request must hold no blocks."""
-        kv = self.engine.engine.kv_cache
         load = self.engine.load()
-        return {"num_block_tables": len(kv.block_tables), "num_free_blocks": kv.num_free_blocks,
-                "num_blocks": kv.num_blocks, "num_waiting": load.num_waiting, "num_running": load.num_running,
-                "num_aborted": self._num_aborted}
+        return self.engine.block_state() | {"num_waiting": load.num_waiting, "num_running": load.num_running,
+                                            "num_aborted": self._num_aborted}
 
     def process_stats(self) -> dict[str, Any]:
         """Which replica answered, its pid and resident memory, with its block accounting: for soak tests

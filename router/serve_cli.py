@@ -37,6 +37,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256)
     parser.add_argument("--max-queue-wait-s", type=float, default=None,
                         help="also answer 429 when a request's expected wait for a batch slot exceeds this")
+    parser.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                        help="step the engine on a thread of the replica process instead of a child process")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY)")

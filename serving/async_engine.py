@@ -71,6 +71,26 @@ class AsyncEngine:
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_tokens_ever(self) -> int:
+        return self.engine.kv_cache.max_tokens_ever()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.engine.apply_chat_template(messages)
+
+    def block_state(self) -> dict[str, int]:
+        """Block accounting (read without locks: may be mid-step), for tests and soak checks."""
+        kv = self.engine.kv_cache
+        return {"num_block_tables": len(kv.block_tables), "num_free_blocks": kv.num_free_blocks,
+                "num_blocks": kv.num_blocks}
+
     def load(self) -> EngineLoad:
         sched = self.engine.scheduler
         return EngineLoad(sched.num_waiting, sched.num_running, self.engine.kv_cache.usage)

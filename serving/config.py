@@ -50,7 +50,9 @@ class SchedulerConfig:
     slo_headroom: float = 0.85
     # Tail-latency mode never lets pending prefill stall: each step gives it at least this many tokens, even
     # when the decodes alone fill the target (a long prompt waiting forever is worse than a slightly slow step).
-    min_prefill_tokens: int = 16
+    # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
+    # a 70 ms SLO (p99 71, max 323 ms); 8 kept it (p99 59, max 69) for ~30% more long-prompt TTFT (RESULTS.md).
+    min_prefill_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:

@@ -41,9 +41,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
-    def num_kv_tokens(self) -> int:
-        """Context the step's attention reads: each chunk attends over everything up to its end."""
-        return sum(c.end for c in self.chunks)
+    def num_kv_reads(self) -> int:
+        """Key/value rows the step's attention reads: each token attends over its causal prefix, so a chunk of
+        q tokens ending at e reads q * e - q * (q - 1) / 2 (a decode reads its context once)."""
+        return sum(c.num_tokens * c.end - c.num_tokens * (c.num_tokens - 1) // 2 for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:

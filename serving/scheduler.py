@@ -142,7 +142,7 @@ class Scheduler:
         num_seqs = len(self.running) + (1 if self.waiting else 0)
         fits = self.step_cost.max_tokens_within(
             self._target_step_s(), num_seqs, num_decodes=len(decodes),
-            decode_kv_tokens=sum(r.num_tokens for r in decodes),
+            decode_kv_reads=sum(r.num_tokens for r in decodes),
             prefill_context=prefills[0].num_computed_tokens if prefills else 0)
         return min(limit, max(fits, floor, 1))
 
@@ -157,13 +157,13 @@ class Scheduler:
         if self.config.itl_slo_ms is None or not self.step_cost.ready or not self.running:
             return True
         num_seqs = len(self.running) + 1
-        kv_tokens = sum(r.num_tokens for r in self.running) + self.waiting[0].num_tokens
-        return self.step_cost.predict_tail(num_seqs, num_seqs, kv_tokens) <= self._target_step_s()
+        kv_reads = sum(r.num_tokens for r in self.running) + self.waiting[0].num_tokens
+        return self.step_cost.predict_tail(num_seqs, num_seqs, kv_reads) <= self._target_step_s()
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
             self._mean_step_s += 0.1 * (seconds - self._mean_step_s)
-            self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_tokens)
+            self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_reads)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

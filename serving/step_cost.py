@@ -1,9 +1,9 @@
 """An online model of what a step costs, so the scheduler can size steps to an inter-token latency target.
 
-Each step's time is fitted as  t = a + b * num_tokens + c * num_seqs + d * kv_tokens / 1000  by exponentially
-weighted least squares over the engine's own step timings, where kv_tokens is the context the step's attention
-reads (the sum over its chunks of their context length): a 32-token chunk of a 2k-token prompt costs far more
-than 32 tokens of a short one, and decodes over long contexts cost more than over short ones. The fit follows the
+Each step's time is fitted as  t = a + b * num_tokens + c * num_seqs + d * kv_reads / 1000  by exponentially
+weighted least squares over the engine's own step timings, where kv_reads counts the key/value rows the step's
+attention reads (each token over its causal prefix; SchedulerOutput.num_kv_reads): a 16-token chunk of a 2k-token
+prompt reads ~32k rows, 16 times what one decode at that context reads, and costs accordingly. The fit follows the
 hardware (CPU, GPU, a busy neighbour) instead of a hand-tuned batch size. It predicts the mean; the SLO is on a
 tail, so the model also tracks an upper quantile of actual/predicted (`margin`) and plans against prediction x
 margin: steps are noisier on a busy host, and the margin grows with the noise instead of a fixed headroom
@@ -11,10 +11,11 @@ guessing it. No torch here: the scheduler uses it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 NUM_FEATURES = 4
-KV_SCALE = 1e-3  # kv_tokens are thousands where tokens are tens: keep the normal equations well conditioned
+KV_SCALE = 1e-3  # kv_reads are thousands where tokens are tens: keep the normal equations well conditioned
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -49,10 +50,10 @@ class StepCostModel:
     _coef: list[float] | None = None
     num_observations: int = 0
 
-    def observe(self, num_tokens: int, num_seqs: int, seconds: float, kv_tokens: int = 0) -> None:
+    def observe(self, num_tokens: int, num_seqs: int, seconds: float, kv_reads: int = 0) -> None:
         if self._coef is not None:
-            self._update_margin(seconds / max(self.predict(num_tokens, num_seqs, kv_tokens), 1e-9))
-        x = (1.0, float(num_tokens), float(num_seqs), kv_tokens * KV_SCALE)
+            self._update_margin(seconds / max(self.predict(num_tokens, num_seqs, kv_reads), 1e-9))
+        x = (1.0, float(num_tokens), float(num_seqs), kv_reads * KV_SCALE)
         for i in range(NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
             for j in range(NUM_FEATURES):
@@ -79,22 +80,28 @@ class StepCostModel:
     def ready(self) -> bool:
         return self._coef is not None
 
-    def predict(self, num_tokens: int, num_seqs: int, kv_tokens: int = 0) -> float:
+    def predict(self, num_tokens: int, num_seqs: int, kv_reads: int = 0) -> float:
         if self._coef is None:
             raise RuntimeError("no fit yet")
         a, b, c, d = self._coef
-        return a + b * num_tokens + c * num_seqs + d * kv_tokens * KV_SCALE
+        return a + b * num_tokens + c * num_seqs + d * kv_reads * KV_SCALE
 
-    def predict_tail(self, num_tokens: int, num_seqs: int, kv_tokens: int = 0) -> float:
+    def predict_tail(self, num_tokens: int, num_seqs: int, kv_reads: int = 0) -> float:
         """The planning figure: the fitted mean scaled by the tracked upper quantile of the misfit."""
-        return self.predict(num_tokens, num_seqs, kv_tokens) * self.margin
+        return self.predict(num_tokens, num_seqs, kv_reads) * self.margin
 
-    def max_tokens_within(self, target_s: float, num_seqs: int, num_decodes: int = 0, decode_kv_tokens: int = 0,
+    def max_tokens_within(self, target_s: float, num_seqs: int, num_decodes: int = 0, decode_kv_reads: int = 0,
                           prefill_context: int = 0) -> int:
         """The most tokens a step can carry with its tail prediction under target_s: num_decodes decodes reading
-        decode_kv_tokens of context, plus n prefill tokens of a prompt whose chunk starts at prefill_context
-        (each prefill token adds itself to the context read). Returns num_decodes + n."""
+        decode_kv_reads rows, plus n prefill tokens of a prompt whose chunk starts at prefill_context (token k of
+        the chunk reads prefill_context + k rows, so n of them read n * prefill_context + n (n + 1) / 2).
+        Returns num_decodes + n."""
         a, b, c, d = self._coef or (0.0, 1.0, 0.0, 0.0)
         d *= KV_SCALE
-        fixed = a + b * num_decodes + c * num_seqs + d * (decode_kv_tokens + prefill_context)
-        return num_decodes + max(0, int((target_s / self.margin - fixed) / (b + d)))
+        room = target_s / self.margin - (a + b * num_decodes + c * num_seqs + d * decode_kv_reads)
+        if room <= 0:
+            return num_decodes
+        # Largest n with (d / 2) n^2 + (b + d (prefill_context + 1/2)) n <= room.
+        linear = b + d * (prefill_context + 0.5)
+        n = room / linear if d == 0 else (math.sqrt(linear * linear + 2 * d * room) - linear) / d
+        return num_decodes + max(0, int(n))

@@ -8,12 +8,14 @@ every block is free afterwards.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
 
 import httpx
 import pytest
+import ray
 
 from benchmarks.soak import percentile
 from tests.drills.conftest import write_artifact
@@ -26,10 +28,13 @@ MAX_NUM_SEQS = 4
 # Half a batch: under saturation the running sequences finish staggered (one every ~S/4 for a service time S),
 # so an admitted request waits about S/2 before it joins the batch; its E2E is then ~1.5x the unloaded one.
 MAX_WAITING = 2
-# About half the unloaded service time of a request here (~0.4 s): an admitted request waits at most ~S/2 for its
-# slot, so its latency stays well inside 2x the unloaded one even when the batch's finishes bunch together.
-MAX_QUEUE_WAIT_S = 0.2
-BODY = {"prompt": "overload drill prompt", "max_tokens": 96, "ignore_eos": True}
+# About half the unloaded service time of a request here (~0.5-0.8 s): an admitted request waits at most ~S/2 for
+# its slot, so its latency stays well inside 2x the unloaded one even when the batch's finishes bunch together.
+MAX_QUEUE_WAIT_S = 0.3
+# Long enough that a request costs the engine far more than the HTTP stack (~20 ms of CPU per request over the
+# proxy, ingress and replica): with 96 tokens the tiny model served ~30 req/s, and 3x that on two shared cores
+# measured Ray Serve's HTTP throughput rather than our admission control. A real model's replica serves a few.
+BODY = {"prompt": "overload drill prompt", "max_tokens": 384, "ignore_eos": True}
 OVERLOAD_FACTOR = 3.0
 OVERLOAD_S = 8.0
 # Timing targets (admitted p99 within 2x of unloaded, 429s within ~1 s) are benchmark figures, printed and written
@@ -40,7 +45,7 @@ NO_HANG_429_S = 5.0
 
 @pytest.fixture(scope="module")
 def base_url(serve_cluster: str, tiny_model_dir):
-    args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64,
+    args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 128,
             "max_num_seqs": MAX_NUM_SEQS, "max_waiting_requests": MAX_WAITING, "torch_num_threads": 1,
             "max_queue_wait_s": MAX_QUEUE_WAIT_S,
             "request_router_class": None}
@@ -92,6 +97,31 @@ async def open_loop(url: str, rate_per_s: float, duration_s: float) -> list[tupl
         return list(await asyncio.gather(*tasks))
 
 
+def as_client(coro_fn, *args):
+    """Run a load coroutine on its own thread at the niceness of Ray's workers (the server side).
+
+    Ray starts its workers at nice 15 (RAY_worker_niceness); this test process is at 0, so a load generator run
+    here would preempt the engine whenever it is runnable: 28x the CPU weight. A real client runs on another
+    machine; on one shared 2-core host the fair stand-in is a client that competes with the server as an equal.
+    """
+    worker_niceness = ray.get(_niceness.remote())
+    box: list = []
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), worker_niceness)  # this thread only
+        box.append(asyncio.run(coro_fn(*args)))
+
+    thread = threading.Thread(target=run, name="drill-client")
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+@ray.remote(num_cpus=0)
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def watch_queue(stop: threading.Event, peaks: dict[str, int]) -> None:
     while not stop.wait(0.1):
         state = engine_state(APP)
@@ -99,9 +129,29 @@ def watch_queue(stop: threading.Event, peaks: dict[str, int]) -> None:
             peaks[key] = max(peaks.get(key, 0), state[key])
 
 
+def engine_step_totals() -> tuple[float, float]:
+    """(seconds, steps) the engine has stepped so far, from its Prometheus endpoint."""
+    from conveyor.router.metrics_registry import get_registry
+
+    targets = ray.get(get_registry().targets.remote(APP))
+    address = next(t["targets"][0] for t in targets if t["labels"].get("conveyor_role") == "engine")
+    totals = {"sum": 0.0, "count": 0.0}
+    for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
+        for key in totals:
+            if line.startswith(f"conveyor_step_duration_seconds_{key}"):
+                totals[key] += float(line.split()[-1])
+    return totals["sum"], totals["count"]
+
+
+def mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return round(1000 * (after[0] - before[0]) / max(1.0, after[1] - before[1]), 2)
+
+
 def test_overload_keeps_admitted_latency_and_rejects_fast(base_url: str) -> None:
-    asyncio.run(unloaded(base_url, rounds=2))  # warm-up
-    base = asyncio.run(unloaded(base_url))
+    as_client(unloaded, base_url, 2)  # warm-up
+    steps_0 = engine_step_totals()
+    base = as_client(unloaded, base_url)
+    steps_1 = engine_step_totals()
     base_p99 = percentile(base, 0.99)
     capacity_per_s = MAX_NUM_SEQS / percentile(base, 0.5)
     peaks: dict[str, int] = {}
@@ -109,13 +159,14 @@ def test_overload_keeps_admitted_latency_and_rejects_fast(base_url: str) -> None
     watcher = threading.Thread(target=watch_queue, args=(stop, peaks), daemon=True)
     watcher.start()
     try:
-        results = asyncio.run(open_loop(base_url, OVERLOAD_FACTOR * capacity_per_s, OVERLOAD_S))
+        results = as_client(open_loop, base_url, OVERLOAD_FACTOR * capacity_per_s, OVERLOAD_S)
     finally:
         stop.set()
         watcher.join(timeout=10)
+    steps_2 = engine_step_totals()
     # The host is shared: if it got busier during the overload, the baseline taken before understates the
     # service time. Measure it again after and compare against the slower of the two.
-    base_after = asyncio.run(unloaded(base_url))
+    base_after = as_client(unloaded, base_url)
     base_p99 = max(base_p99, percentile(base_after, 0.99))
     admitted = [t for status, t in results if status == 200]
     rejected = [t for status, t in results if status == 429]
@@ -128,7 +179,9 @@ def test_overload_keeps_admitted_latency_and_rejects_fast(base_url: str) -> None
               "admitted_p99_s": round(percentile(admitted, 0.99), 3),
               "p99_ratio": round(percentile(admitted, 0.99) / base_p99, 2),
               "rejected_p99_s": round(percentile(rejected, 0.99), 3), "rejected_max_s": round(max(rejected), 3),
-              "peak_num_waiting": peaks.get("num_waiting"), "peak_num_running": peaks.get("num_running")}
+              "peak_num_waiting": peaks.get("num_waiting"), "peak_num_running": peaks.get("num_running"),
+              # Where admitted latency goes: the engine's own step, unloaded vs overloaded (CPU contention).
+              "engine_step_ms_unloaded_overload": [mean_step_ms(steps_0, steps_1), mean_step_ms(steps_1, steps_2)]}
     write_artifact("overload", report)
 
     assert {status for status, _ in results} <= {200, 429}, sorted({s for s, _ in results})

@@ -1,0 +1,262 @@
+"""ProcessEngine: the AsyncEngine interface with the engine stepping in a child process.
+
+In a Serve replica the engine thread shares one GIL with Serve's own request machinery (an RPC per request,
+one per streamed record, metrics). Under overload that machinery held ~45% of the GIL in a py-spy sample and the
+tiny model's steps (mostly Python) took 6 ms instead of 3. A child process steps with a GIL of its own, as
+vLLM's EngineCore does. The parent keeps the streams, the admission check (from the child's last load report)
+and the step listeners (metrics); the child owns the model, the scheduler and the KV cache.
+
+Wire protocol (one socket pair wrapped in multiprocessing Connections, pickled tuples):
+  parent -> child  ("start", config, torch_num_threads), then
+                   ("add", request_id, prompt, params) | ("abort", request_id) | ("query", query_id, name)
+  child -> parent  ("ready", info) | ("build_error", text) | ("step", outputs, stats, load)
+                   | ("load", load) | ("reject", request_id, kind, message, retry_after_s) | ("reply", id, value)
+Outputs cross without their cumulative text and token ids (O(n^2) bytes over a stream); the parent rebuilds them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+from conveyor.serving.async_engine import EngineLoad, _Stream
+from conveyor.serving.config import EngineConfig
+from conveyor.serving.outputs import EngineStepStats, RequestOutput
+from conveyor.serving.request import SamplingParams
+from conveyor.serving.scheduler import QueueFullError
+
+logger = logging.getLogger(__name__)
+
+BUILD_TIMEOUT_S = 600.0  # model conversion on first use can take minutes on a slow disk
+QUERY_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass
+class _Accumulated:
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+class ProcessEngine:
+    def __init__(self, config: EngineConfig, torch_num_threads: int | None = None) -> None:
+        # A fresh interpreter on one end of a socket pair: fork would copy the parent's threads' locks mid-use,
+        # and multiprocessing's spawn re-imports the parent's __main__ (a user script, Ray's worker).
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "conveyor.serving.engine_core_loop", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()])
+        theirs.close()  # only the child holds its end: it reads EOF when this process dies, and exits
+        self._conn = Connection(ours.detach())
+        self._conn.send(("start", config, torch_num_threads))
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._accumulated: dict[str, _Accumulated] = {}
+        self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
+        self._replies: dict[int, Future] = {}
+        self._query_ids = itertools.count()
+        # Adds sent and adds the child has applied (its running total): the difference counts as waiting.
+        # Each counter has one writer (the event loop, the reader thread), so no lock is needed.
+        self._num_adds_sent = 0
+        self._num_adds_applied = 0
+        self._load: dict[str, Any] = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0,
+                                      "max_queued_requests": 1, "expected_wait_s": 0.0}
+        self.info = self._await_ready()
+        self.config = config
+        from transformers import AutoTokenizer  # the parent tokenizes: chat templates, default max_tokens
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.info["model_path"])
+        self._reader = threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, torch_num_threads: int | None = None) -> ProcessEngine:
+        return cls(config, torch_num_threads)
+
+    def _await_ready(self) -> dict[str, Any]:
+        if not self._conn.poll(BUILD_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError(f"engine process did not start within {BUILD_TIMEOUT_S:.0f}s")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            code = self._process.wait(timeout=10)
+            raise RuntimeError(f"engine process died while starting (exit code {code})") from None
+        if kind != "ready":
+            raise RuntimeError(f"engine process failed to start:\n{payload}")
+        return payload
+
+    # ---- what the replica reads ----------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.info["max_model_len"]
+
+    @property
+    def max_tokens_ever(self) -> int:
+        return self.info["max_tokens_ever"]
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def load(self) -> EngineLoad:
+        load = self._load
+        return EngineLoad(load["num_waiting"], load["num_running"], load["kv_cache_usage"])
+
+    def block_state(self) -> dict[str, int]:
+        """The child's block accounting, asked now (not from the last report): for tests and soak checks."""
+        return self._query("block_state")
+
+    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None:
+        """fn runs on this process's reader thread after every step of the child: keep it cheap."""
+        self._step_listeners.append(fn)
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None and self._reader.is_alive()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate: ValueError or QueueFullError before the first output; closing early aborts."""
+        self._check_queue_room()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._accumulated[request_id] = _Accumulated()
+        self._num_adds_sent += 1
+        finished = False
+        try:
+            self._send(("add", request_id, prompt, params))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            self._accumulated.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except RuntimeError:
+            pass  # no engine, nothing to abort
+
+    def shutdown(self) -> None:
+        try:
+            self._conn.close()  # the child reads EOF and exits
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _check_queue_room(self) -> None:
+        """The child decides (and may still refuse); refusing here when it surely would saves it the work."""
+        load = self._load
+        num_unacked = self._num_adds_sent - self._num_adds_applied
+        if load["num_waiting"] + num_unacked >= load["max_queued_requests"]:
+            raise QueueFullError("waiting queue full")
+        max_wait_s = self.config.scheduler.max_queue_wait_s
+        if max_wait_s is not None and num_unacked == 0 and load["expected_wait_s"] > max_wait_s:
+            wait_s = load["expected_wait_s"]
+            raise QueueFullError(f"expected wait for a batch slot ({wait_s:.1f} s) exceeds max_queue_wait_s",
+                                 retry_after_s=min(wait_s, 60.0))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, EOFError, ValueError) as exc:  # child gone: the reader fails the streams
+                raise RuntimeError("engine process is not running") from exc
+
+    def _query(self, name: str) -> Any:
+        query_id = next(self._query_ids)
+        future: Future = Future()
+        self._replies[query_id] = future
+        self._send(("query", query_id, name))
+        try:
+            return future.result(QUERY_TIMEOUT_S)
+        finally:
+            self._replies.pop(query_id, None)
+
+    # ---- reader thread ---------------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                self._dispatch(message)
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - a bad message must not leave streams hanging: fail them below
+            logger.exception("engine process reader failed")
+        code = self._process.poll()
+        self._fail_all(RuntimeError(f"engine process stopped (exit code {code})"))
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, stats, load = message
+            self._set_load(load)
+            for output in outputs:
+                self._deliver(output)
+            for listener in self._step_listeners:
+                listener(stats, outputs)
+        elif kind == "load":
+            self._set_load(message[1])
+        elif kind == "reject":
+            _, request_id, error_kind, text, retry_after_s = message
+            exc = (QueueFullError(text, retry_after_s) if error_kind == "queue_full" else
+                   ValueError(text) if error_kind == "invalid_request" else RuntimeError(text))
+            self._post(request_id, exc)
+        elif kind == "reply":
+            future = self._replies.get(message[1])
+            if future is not None:
+                future.set_result(message[2])
+
+    def _set_load(self, load: dict[str, Any]) -> None:
+        self._num_adds_applied = load["num_adds_applied"]
+        self._load = load
+
+    def _deliver(self, output: RequestOutput) -> None:
+        acc = self._accumulated.get(output.request_id)
+        if acc is None:
+            return  # the consumer left; the abort is on its way
+        acc.text += output.delta_text
+        acc.token_ids.extend(output.delta_token_ids)
+        output.text, output.token_ids = acc.text, acc.token_ids
+        self._post(output.request_id, output)
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            self._post(request_id, exc)
+        for future in list(self._replies.values()):
+            if not future.done():
+                future.set_exception(exc)

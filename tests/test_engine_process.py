@@ -1,0 +1,156 @@
+"""ProcessEngine: the engine stepping in a child process behaves as AsyncEngine does, and the child never
+outlives its parent or leaves a stream hanging."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conveyor.serving import AsyncEngine, EngineConfig, SamplingParams
+from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.engine import LLMEngine
+from conveyor.serving.engine_process import ProcessEngine
+from conveyor.serving.scheduler import QueueFullError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _config(model_dir, **sched) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(model_dir)), cache=CacheConfig(num_blocks=64, block_size=4),
+                        scheduler=SchedulerConfig(**sched))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = ProcessEngine.from_config(_config(tiny_model_dir), torch_num_threads=1)
+    yield engine
+    engine.shutdown()
+    assert not engine.is_alive()
+
+
+async def _collect(engine, prompt, params=GREEDY) -> list:
+    return [o async for o in engine.generate(prompt, params)]
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_streams_the_same_tokens_as_the_in_process_engine(engine, tiny_model_dir):
+    local = AsyncEngine(LLMEngine(_config(tiny_model_dir)))
+    try:
+        expected = asyncio.run(_collect(local, "The quick brown fox"))
+    finally:
+        local.shutdown()
+    streamed = asyncio.run(_collect(engine, "The quick brown fox"))
+    assert [o.delta_token_ids for o in streamed] == [o.delta_token_ids for o in expected]
+    # Outputs cross without their running totals; the parent rebuilds them.
+    assert streamed[-1].token_ids == [t for o in streamed for t in o.delta_token_ids]
+    assert streamed[-1].text == "".join(o.delta_text for o in streamed) == expected[-1].text
+    assert streamed[-1].finished and streamed[-1].finish_reason == "length"
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine):
+    async def main():
+        gen = engine.generate("The quick brown fox", SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()
+
+    asyncio.run(main())
+    assert _wait_for(lambda: engine.block_state()["num_block_tables"] == 0)
+    state = engine.block_state()
+    assert state["num_free_blocks"] == state["num_blocks"] == 64
+    assert _wait_for(lambda: engine.load().num_running == 0)
+
+
+def test_bad_input_is_a_value_error_before_any_output(engine):
+    with pytest.raises(ValueError, match="context"):
+        asyncio.run(_collect(engine, "x " * 2000))
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(_collect(engine, ""))
+    assert len(asyncio.run(_collect(engine, "still serving"))) == GREEDY.max_tokens
+
+
+def test_step_listeners_see_every_generated_token(engine):
+    seen: list[int] = []
+    engine.add_step_listener(lambda stats, outputs: seen.append(sum(len(o.delta_token_ids) for o in outputs)))
+    asyncio.run(_collect(engine, "count me"))
+    assert _wait_for(lambda: sum(seen) >= GREEDY.max_tokens)
+    assert sum(seen) == GREEDY.max_tokens
+
+
+def test_refuses_past_the_queue_bound(tiny_model_dir):
+    engine = ProcessEngine.from_config(_config(tiny_model_dir, max_waiting_requests=1, max_num_seqs=1), 1)
+
+    async def main():
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        gens = [engine.generate("The quick", params) for _ in range(6)]
+        results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        return results
+
+    try:
+        results = asyncio.run(main())
+        assert any(isinstance(r, QueueFullError) for r in results)
+        assert any(not isinstance(r, BaseException) for r in results)
+        assert _wait_for(lambda: engine.block_state()["num_block_tables"] == 0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_engine_process_fails_its_streams(tiny_model_dir):
+    engine = ProcessEngine.from_config(_config(tiny_model_dir), 1)
+
+    async def main():
+        gen = engine.generate("The quick", SamplingParams(max_tokens=200, ignore_eos=True))
+        await gen.__anext__()
+        engine._process.kill()  # noqa: SLF001 - a crash of the child, as the OOM killer would do it
+        with pytest.raises(RuntimeError, match="engine process stopped"):
+            async for _ in gen:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert _wait_for(lambda: not engine.is_alive())
+    finally:
+        engine.shutdown()
+
+
+def test_the_engine_process_exits_with_its_parent(tiny_model_dir):
+    # The parent dies without any cleanup (SIGKILL, as ray.kill does to a replica): its end of the socket
+    # closes with it, and the child must notice and exit rather than hold the model's memory forever.
+    script = textwrap.dedent(f"""
+        import os, sys
+        from conveyor.serving.engine_process import ProcessEngine
+        from tests.test_engine_process import _config
+        engine = ProcessEngine.from_config(_config({str(tiny_model_dir)!r}), 1)
+        print(engine._process.pid, flush=True)
+        os._exit(0)
+    """)
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert parent.returncode == 0, parent.stderr[-2000:]
+    child_pid = int(parent.stdout.split()[-1])
+    assert _wait_for(lambda: not _alive(child_pid), timeout_s=15), f"engine process {child_pid} outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
