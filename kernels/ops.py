@@ -27,9 +27,10 @@ import torch
 from conveyor.kernels import reference, torch_native
 
 BACKENDS = ("reference", "torch", "cpu", "triton", "cuda", "flash")
-# Up to this chunk length the decode kernel over each row beats gathering the context for SDPA (measured on
-# SmolLM2's shapes at 600-2048 tokens of context: 1.4-4x for chunks of 4-16 tokens, 1.0-1.1x at 128-512).
-MAX_CHUNK_AS_DECODE_ROWS = 512
+# Up to this chunk length the decode kernel over each row is used instead of gathering the context for SDPA.
+# SmolLM2's shapes, 2 threads (benchmarks/chunk_attention_bench.py): 1.5-2.6x faster for 16-token chunks at 1-2k
+# of context, 0.9-1.7x for 32-64, ~1.0x from 128 up: past 64 SDPA keeps the longer chunks.
+MAX_CHUNK_AS_DECODE_ROWS = 64
 
 
 @functools.cache
