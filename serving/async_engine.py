@@ -22,6 +22,16 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """What the engine posts for one request, up to its finished output; a posted exception is raised."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -113,14 +123,9 @@ class AsyncEngine:
         self._commands.put(("add", request))
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream.outputs():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:

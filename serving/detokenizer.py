@@ -9,6 +9,8 @@ work per token does not grow with the length of the output.
 
 Stop strings: text that could still turn out to be the start of a stop string is held back, so a
 streaming client never receives text that is later cut, and the deltas always concatenate to `text`.
+
+The prompt side (tokenize, apply_chat_template) is here too: LLMEngine and ProcessEngine's parent both use it.
 """
 from __future__ import annotations
 
@@ -156,3 +158,15 @@ def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
                 longest = length
                 break
     return longest
+
+
+def tokenize(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids: text is encoded without special tokens (templates add their own), ids pass through."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+    return list(prompt)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """Chat messages as the prompt text the model was tuned on, ending where the assistant's turn begins."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -10,7 +10,7 @@ import torch
 
 from conveyor.kernels import ops
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.detokenizer import IncrementalDetokenizer
+from conveyor.serving.detokenizer import IncrementalDetokenizer, apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
@@ -78,12 +78,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None) -> Request:

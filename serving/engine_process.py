@@ -31,6 +31,7 @@ from typing import Any
 
 from conveyor.serving.async_engine import EngineLoad, _Stream
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
@@ -105,12 +106,10 @@ class ProcessEngine:
         return self.info["max_tokens_ever"]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def load(self) -> EngineLoad:
         load = self._load
@@ -142,14 +141,9 @@ class ProcessEngine:
         finished = False
         try:
             self._send(("add", request_id, prompt, params))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream.outputs():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
             self._accumulated.pop(request_id, None)
