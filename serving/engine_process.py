@@ -214,10 +214,11 @@ class ProcessEngine:
         if kind == "step":
             _, outputs, stats, load = message
             self._set_load(load)
-            for output in outputs:
-                self._deliver(output)
+            # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
             for listener in self._step_listeners:
                 listener(stats, outputs)
+            for output in outputs:
+                self._deliver(output)
         elif kind == "load":
             self._set_load(message[1])
         elif kind == "reject":

@@ -84,8 +84,13 @@ def test_bad_input_is_a_value_error_before_any_output(engine):
 
 def test_step_listeners_see_every_generated_token(engine):
     seen: list[int] = []
-    engine.add_step_listener(lambda stats, outputs: seen.append(sum(len(o.delta_token_ids) for o in outputs)))
-    asyncio.run(_collect(engine, "count me"))
+    engine.add_step_listener(lambda stats, outputs: seen.append(
+        sum(len(o.delta_token_ids) for o in outputs if o.request_id == "count-me")))
+
+    async def main():
+        return [o async for o in engine.generate("count me", GREEDY, request_id="count-me")]
+
+    asyncio.run(main())
     assert _wait_for(lambda: sum(seen) >= GREEDY.max_tokens)
     assert sum(seen) == GREEDY.max_tokens
 
