@@ -22,6 +22,10 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or the request's failure) to the stream's event loop; callable from any thread."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """What the engine posts for one request, up to its finished output; a posted exception is raised."""
         while True:
@@ -199,9 +203,8 @@ class AsyncEngine:
             self._post(output.request_id, output)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if (stream := self._streams.get(request_id)) is not None:
+            stream.post(item)
 
     def _fail_all(self, exc: Exception) -> None:
         live = list(self._streams)

@@ -245,9 +245,8 @@ class ProcessEngine:
         self._post(output.request_id, output)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if (stream := self._streams.get(request_id)) is not None:
+            stream.post(item)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):
