@@ -104,7 +104,8 @@ class EngineReplica:
         try:
             prompt = self._prompt(request)
             params = self._params(request["params"], len(prompt))
-            stream = self.engine.generate(prompt, params, request.get("request_id"))
+            # Tokens that queued up while this replica was busy leave as one record, not one each.
+            stream = self.engine.generate(prompt, params, request.get("request_id"), coalesce=True)
             start = time.monotonic()
             output = await anext(stream)
         except QueueFullError as exc:

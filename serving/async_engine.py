@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
-from conveyor.serving.outputs import EngineStepStats, RequestOutput
+from conveyor.serving.outputs import EngineStepStats, RequestOutput, merge_outputs
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
@@ -21,20 +21,53 @@ logger = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    held_error: BaseException | None = None  # met while coalescing: raised after what came before it
 
     def post(self, item: RequestOutput | BaseException) -> None:
         """Hand an output (or the request's failure) to the stream's event loop; callable from any thread."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """What the engine posts for one request, up to its finished output; a posted exception is raised."""
+    async def outputs(self, coalesce: bool = False) -> AsyncIterator[RequestOutput]:
+        """What the engine posts for one request, up to its finished output; a posted exception is raised.
+
+        coalesce: outputs already waiting when the consumer asks are merged into one (never waiting for
+        more), so a consumer that fell behind catches up in one record instead of one per token.
+        """
         while True:
+            if self.held_error is not None:
+                raise self.held_error
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
+            if coalesce:
+                item = self._take_waiting(item)
             yield item
             if item.finished:
                 return
+
+    def _take_waiting(self, item: RequestOutput) -> RequestOutput:
+        waiting: list[RequestOutput] = []
+        while not item.finished and not (waiting and waiting[-1].finished) and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if isinstance(later, BaseException):
+                self.held_error = later
+                break
+            waiting.append(later)
+        return merge_outputs([item, *waiting]) if waiting else item
+
+
+def post_all(pairs: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Hand one step's outputs to their streams with one wake-up per event loop, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for stream, item in pairs:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 @dataclass(frozen=True)
@@ -113,9 +146,10 @@ class AsyncEngine:
         """fn runs on the engine thread after every step: keep it cheap (metrics, not I/O)."""
         self._step_listeners.append(fn)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Closing the iterator early (client gone) aborts the request.
+        coalesce: outputs that queued up while the consumer was busy come as one (_Stream.outputs).
 
         Raises ValueError for bad input and QueueFullError when the waiting queue is at its bound, both
         before the first output, so a server can still answer with a status code.
@@ -127,7 +161,7 @@ class AsyncEngine:
         self._commands.put(("add", request))
         finished = False
         try:
-            async for item in stream.outputs():
+            async for item in stream.outputs(coalesce):
                 finished = item.finished
                 yield item
         finally:
@@ -199,8 +233,7 @@ class AsyncEngine:
             self.engine.abort_requests([arg])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._post(output.request_id, output)
+        post_all([(stream, out) for out in outputs if (stream := self._streams.get(out.request_id)) is not None])
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         if (stream := self._streams.get(request_id)) is not None:

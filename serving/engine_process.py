@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from conveyor.serving.async_engine import EngineLoad, _Stream
+from conveyor.serving.async_engine import EngineLoad, _Stream, post_all
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
@@ -127,8 +127,8 @@ class ProcessEngine:
         return self._process.poll() is None and self._reader.is_alive()
 
     # ---- requests ------------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate: ValueError or QueueFullError before the first output; closing early aborts."""
         self._check_queue_room()
         request_id = request_id or uuid.uuid4().hex
@@ -141,7 +141,7 @@ class ProcessEngine:
         finished = False
         try:
             self._send(("add", request_id, prompt, params))
-            async for item in stream.outputs():
+            async for item in stream.outputs(coalesce):
                 finished = item.finished
                 yield item
         finally:
@@ -217,8 +217,7 @@ class ProcessEngine:
             # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
             for listener in self._step_listeners:
                 listener(stats, outputs)
-            for output in outputs:
-                self._deliver(output)
+            post_all([delivery for output in outputs if (delivery := self._delivery(output)) is not None])
         elif kind == "load":
             self._set_load(message[1])
         elif kind == "reject":
@@ -235,14 +234,15 @@ class ProcessEngine:
         self._num_adds_applied = load["num_adds_applied"]
         self._load = load
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _delivery(self, output: RequestOutput) -> tuple[_Stream, RequestOutput] | None:
         acc = self._accumulated.get(output.request_id)
-        if acc is None:
-            return  # the consumer left; the abort is on its way
+        stream = self._streams.get(output.request_id)
+        if acc is None or stream is None:
+            return None  # the consumer left; the abort is on its way
         acc.text += output.delta_text
         acc.token_ids.extend(output.delta_token_ids)
         output.text, output.token_ids = acc.text, acc.token_ids
-        self._post(output.request_id, output)
+        return stream, output
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         if (stream := self._streams.get(request_id)) is not None:

@@ -1,6 +1,7 @@
 """Records passed between scheduler, model runner and engine. No torch here."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from conveyor.serving.request import Request
@@ -95,3 +96,15 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the deltas joined, the totals and the end of the last."""
+    last = outputs[-1]
+    logprobs = None
+    if any(o.delta_logprobs is not None for o in outputs):
+        logprobs = [entry for o in outputs for entry in (o.delta_logprobs or [])]
+    return dataclasses.replace(
+        last, delta_text="".join(o.delta_text for o in outputs),
+        delta_token_ids=[t for o in outputs for t in o.delta_token_ids], delta_logprobs=logprobs,
+        first_scheduled_time=outputs[0].first_scheduled_time, first_token_time=outputs[0].first_token_time)

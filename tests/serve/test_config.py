@@ -98,3 +98,32 @@ def test_make_request_carries_a_routing_prefix() -> None:
     other = make_request(None, params, "r4", messages=[{"role": "system", "content": "S"},
                                                        {"role": "user", "content": "V"}])
     assert other["routing_prefix"][:12] == chat["routing_prefix"][:12]
+
+
+def test_direct_ingress_settings_for_conveyor_serve() -> None:
+    from conveyor.router.serve_cli import serve_env
+
+    env = serve_env(8123, http_proxy=False)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    # Serve allocates ingress ports from [min, max): exactly the one asked for.
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
+        "8123", "8124")
+    assert serve_env(8123, http_proxy=True) == {}
+    args = build_parser().parse_args(["serve", "--http-proxy"])
+    assert args.http_proxy and "http_proxy" not in serve_args_from(args, args.serve_parser)
+
+
+@pytest.mark.parametrize("raise_by", [None, 3])
+def test_engine_priority_setting(raise_by: int | None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    setting = "" if raise_by is None else str(current + raise_by)  # raising needs no privilege
+    expected = current + (raise_by or 0)
+    # In a child process: a niceness once raised cannot be lowered again without privileges.
+    code = ("import os; from conveyor.serving.engine_core_loop import set_engine_priority as s; "
+            f"r = s({setting!r}); print(r, os.getpriority(os.PRIO_PROCESS, 0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(expected), str(expected)]

@@ -1,0 +1,289 @@
+"""Conveyor's served path against vLLM's server, with vLLM's own client, then the same prompts in process.
+
+Starts `conveyor serve` (defaults, as a new user runs it), runs `vllm bench serve` (benchmarks/vllm_bench_client.py,
+from vLLM's venv) at each request rate, stops every process the server started (by pid), then the same for
+`vllm serve` (its recommended CPU set-up: tcmalloc and Intel OpenMP preloaded, both cores bound), then the
+prompts of the saturation run through `LLM.generate` in this process. One target is loaded at a time; each
+rate draws its own prompts (seed + rate index) so no prefix cache carries one rate's prompts to the next. Per
+process CPU seconds are read from /proc for every run (benchmarks/proc_cpu.py).
+
+    .venv/bin/python benchmarks/peer_serve.py                                   # ~15 min on 2 cores
+    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,inproc --rates inf
+    .venv/bin/python benchmarks/peer_serve.py --targets conveyor --conveyor-env RAY_SERVE_THROUGHPUT_OPTIMIZED=0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.compare import DEFAULT_VLLM_PYTHON, TCMALLOC, free_port, wait_http  # noqa: E402
+from benchmarks.proc_cpu import breakdown_table, cmdline, cpu_by_role, role_of, snapshot  # noqa: E402
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+ENGINE_ROLES = {"engine child", "vllm engine core"}  # where the model runs; the rest is the path
+CLIENT_ROLES = {"client"}
+
+
+def model_dir(model: str) -> str:
+    from conveyor.serving.models.loader import resolve_model_path
+
+    return str(resolve_model_path(model))
+
+
+# ---- servers ------------------------------------------------------------------------------------------
+def start_server(name: str, argv: list[str], env: dict[str, str], timeout_s: float) -> subprocess.Popen:
+    log = open(Path(tempfile.gettempdir()) / f"peer_serve_{name}.log", "w")  # noqa: SIM115 - the server's lifetime
+    return subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
+
+
+def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Up when a short completion succeeds (a /health can answer before the engine has loaded)."""
+    wait_http(url + "/health", timeout_s, proc)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} never completed a request")
+
+
+def start_conveyor(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    for pair in args.conveyor_env:
+        key, _, value = pair.partition("=")
+        env[key] = value
+    argv = [str(ROOT / ".venv" / "bin" / "conveyor"), "serve", "--port", str(port), *args.conveyor_arg]
+    return start_server("conveyor", argv, env, 300)
+
+
+def start_vllm(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    py = args.vllm_python
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    # fp32: bf16 matmuls are unusably slow on this CPU (design.md 4); everything else at vLLM's defaults.
+    argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(args.model), "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", args.model, "--dtype", "float32",
+            "--max-model-len", "2048", "--disable-uvicorn-access-log"]
+    return start_server("vllm", argv, env, 600)
+
+
+def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
+    """SIGTERM the server's session, then SIGKILL by pid every process that appeared since it started and is
+    still alive (Ray's raylet and workers, vLLM's EngineCore and worker run outside that session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    killed = []
+    for _ in range(3):
+        leftover = [p for p in snapshot() if p not in before and p != os.getpid() and _is_server_process(p, proc.pid)]
+        for pid in leftover:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if not leftover:
+            break
+        time.sleep(1.0)
+    return killed
+
+
+def _is_server_process(pid: int, session: int) -> bool:
+    """In the server's session, or one of the roles a server's processes have (Ray's, vLLM's, the engine's)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    in_session = int(stat.rsplit(")", 1)[1].split()[3]) == session
+    return in_session or role_of(cmdline(pid)) not in ("other", "client")
+
+
+# ---- the client --------------------------------------------------------------------------------------
+def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: str) -> dict:
+    out_dir = Path(tempfile.mkdtemp(prefix="peer_serve_"))
+    prompts = out_dir / "prompts.json"
+    cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_bench_client.py"), "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", args.model,
+           "--tokenizer", model_dir(args.model), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json",
+           "--dump-prompts", str(prompts), "--disable-tqdm"]
+    before, children_before = snapshot(), _children_cpu_s()
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout_s)
+    wall = time.monotonic() - started
+    cpu = cpu_by_role(before, snapshot())
+    cpu["client"] = _children_cpu_s() - children_before  # it has exited: its CPU is in our reaped children
+    if done.returncode != 0:
+        raise RuntimeError(f"client failed ({tag}, rate {rate}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads((out_dir / "result.json").read_text())
+    row = summarize_client(result) | {"target": tag, "rate": rate, "seed": seed, "wall_s": wall, "cpu_s": cpu}
+    row["prompts_file"] = str(prompts)
+    return row
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def summarize_client(r: dict) -> dict:
+    keys = ("completed", "failed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+            "median_e2el_ms", "p99_e2el_ms")
+    return {k: r.get(k) for k in keys}
+
+
+# ---- in process ------------------------------------------------------------------------------------------
+def run_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
+    from conveyor.serving import LLM, SamplingParams
+
+    rows = json.loads(Path(prompts_file).read_text())
+    llm = LLM(model=args.model)  # the defaults `conveyor serve` uses: max_num_seqs 64, 512-token budget
+    params = [SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True) for r in rows]
+    llm.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up, as the servers got one
+    before = snapshot(client_pids={os.getpid()})
+    started = time.monotonic()
+    results = llm.generate([r["prompt"] for r in rows], params)
+    wall = time.monotonic() - started
+    cpu = cpu_by_role(before, snapshot(client_pids={os.getpid()}))
+    num_out = sum(len(r.token_ids) for r in results)
+    return {"target": "inproc", "rate": "inf", "completed": len(results), "total_output_tokens": num_out,
+            "duration": wall, "output_throughput": num_out / wall, "wall_s": wall, "cpu_s": cpu}
+
+
+def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) -> dict:
+    """The same prompts on an AsyncEngine in this process (the engine a replica runs, without HTTP or Ray),
+    streamed, at the same rate (Poisson arrivals of its own seed): what TTFT and ITL the engine alone gives."""
+    import asyncio
+
+    from benchmarks.serving.inproc import make_engine, run_inproc
+    from benchmarks.serving.metrics import distribution
+    from benchmarks.serving.workload import BenchRequest, arrival_offsets
+
+    rows = json.loads(Path(prompts_file).read_text())
+    engine = make_engine(args.model, max_num_batched_tokens=512, max_num_seqs=64)  # `conveyor serve` defaults
+    try:
+        reqs = [BenchRequest(engine.tokenize(r["prompt"]), r["output_len"]) for r in rows]
+        asyncio.run(run_inproc(engine, reqs[:1], [0.0]))  # warm-up
+        before = snapshot(client_pids={os.getpid()})
+        offsets = arrival_offsets(len(reqs), float(rate), seed=args.seed)
+        results, wall = asyncio.run(run_inproc(engine, reqs, offsets))
+        cpu = cpu_by_role(before, snapshot(client_pids={os.getpid()}))
+    finally:
+        engine.shutdown()
+    done = [r for r in results if r.ok]
+    num_out = sum(r.output_tokens for r in done)
+    ttft, tpot = distribution([r.ttft for r in done]), distribution([r.tpot for r in done])
+    itl = distribution([g for r in done for g in r.itls])
+    return {"target": "inproc_stream", "rate": rate, "completed": len(done), "total_output_tokens": num_out,
+            "duration": wall, "output_throughput": num_out / wall, "wall_s": wall, "cpu_s": cpu,
+            "median_ttft_ms": ttft["p50"], "p99_ttft_ms": ttft["p99"], "median_tpot_ms": tpot["p50"],
+            "median_itl_ms": itl["p50"], "p99_itl_ms": itl["p99"]}
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+def report(rows: list[dict]) -> str:
+    inproc = next((r["output_throughput"] for r in rows if r["target"] == "inproc"), None)
+    lines = ["| target | rate | done | out tok/s | vs in process | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 "
+             "| ITL p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['output_throughput'] / inproc:.2f}x" if inproc and r["target"] != "inproc" else ""
+        ms = {k: (f"{r[k] / 1000:.1f} s" if (r.get(k) or 0) >= 1000 else f"{r[k]:.0f} ms") if r.get(k) else ""
+              for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms")}
+        lines.append(f"| {r['target']} | {r['rate']} | {r.get('completed')} | {r['output_throughput']:.1f} | {ratio} "
+                     f"| {ms['median_ttft_ms']} | {ms['p99_ttft_ms']} | {ms['median_tpot_ms']} "
+                     f"| {ms['median_itl_ms']} | {ms['p99_itl_ms']} |")
+    for r in rows:
+        if r["rate"] != "inf":
+            continue
+        cpu = r["cpu_s"]
+        server = {k: v for k, v in cpu.items() if k not in CLIENT_ROLES}
+        outside = sum(v for k, v in server.items() if k not in ENGINE_ROLES)
+        share = 100 * outside / max(1e-9, sum(server.values()))
+        lines += ["", f"CPU by process, {r['target']} at rate inf (server processes outside the engine: "
+                  f"{share:.1f}% of the server's CPU):", breakdown_table(cpu, r["total_output_tokens"], r["wall_s"])]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", default="conveyor,vllm,inproc")
+    p.add_argument("--rates", default="inf,1,0.5", help="request rates (req/s); the first should be inf")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conveyor-arg", action="append", default=[], help="extra flag for `conveyor serve`")
+    p.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for `conveyor serve`")
+    p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
+    p.add_argument("--prompts", default=None, help="in-process targets only: a prompts file an earlier run dumped")
+    p.add_argument("--client-timeout-s", type=float, default=900)
+    p.add_argument("--out", default=str(RESULTS_DIR / "peer_serve.json"))
+    args = p.parse_args()
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"{args.vllm_python} missing: run `bash benchmarks/setup_vllm.sh` (vLLM's client is used "
+                         "for every target)")
+    targets, rates = args.targets.split(","), args.rates.split(",")
+    rows: list[dict] = []
+    starters = {"conveyor": start_conveyor, "vllm": start_vllm}
+    for target in (t for t in targets if t in starters):
+        before, port = set(snapshot()), free_port()
+        started = time.monotonic()
+        proc = starters[target](args, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, args.model, proc, 600)
+            print(f"{target} ready in {time.monotonic() - started:.0f} s", flush=True)
+            for i, rate in enumerate(rates):
+                rows.append(run_client(args, url, rate, args.seed + i, target))
+                print(report(rows[-1:]).split("\n\n")[0], flush=True)
+        finally:
+            killed = stop_all(proc, before)
+            print(f"{target} stopped; killed leftover pids {killed}", flush=True)
+            time.sleep(3)
+    if {"inproc", "inproc_stream"} & set(targets):
+        prompts = args.prompts or next((r["prompts_file"] for r in rows if r["rate"] == "inf"), None)
+        if prompts is None:  # the prompts are drawn by vLLM's client during a server's run
+            raise SystemExit("in-process targets need the prompts of a server's rate-inf run: add a server target")
+    if "inproc" in targets:
+        rows.append(run_inproc(args, prompts))
+    if "inproc_stream" in targets:
+        for rate in rates:
+            served = next((r["prompts_file"] for r in rows if r["rate"] == rate and "prompts_file" in r), None)
+            rows.append(run_inproc_stream(args, served or prompts, rate))
+    text = report(rows)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows,
+                               "load_avg_1m_after": os.getloadavg()[0]}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

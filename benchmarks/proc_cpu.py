@@ -1,0 +1,101 @@
+"""CPU seconds per process role over a benchmark window, read from /proc (Linux), for the serving-path breakdown.
+
+    before = snapshot(client_pids={os.getpid()})
+    ... run the load ...
+    by_role = cpu_by_role(before, snapshot(client_pids={os.getpid()}))   # {"engine child": 51.2, "ingress": 3.1, ...}
+
+A process is put in a role by its command line (Ray sets a worker's to `ray::<actor class>...`). A process that
+started inside the window counts with all its CPU time; one that ended inside it counts up to its last snapshot.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+# (substring of the command line, role): the first match wins, so specific patterns come first.
+ROLES: tuple[tuple[str, str], ...] = (
+    ("conveyor.serving.engine_core_loop", "engine child"),
+    ("EngineReplica", "replica"),
+    ("Ingress", "ingress"),
+    ("ProxyActor", "serve proxy"),
+    ("haproxy", "haproxy"),
+    ("ServeController", "serve controller"),
+    ("EngineCore", "vllm engine core"),
+    ("VLLM::", "vllm engine core"),
+    ("vllm.entrypoints", "vllm api server"),
+    ("raylet", "ray system"),
+    ("gcs_server", "ray system"),
+    ("ray/_private", "ray system"),
+    ("ray/dashboard", "ray system"),
+    ("ray::", "ray other workers"),
+    ("default_worker.py", "ray other workers"),
+)
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    pid: int
+    role: str
+    cpu_s: float
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces: split after its closing paren
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def role_of(cmdline: str) -> str:
+    for needle, role in ROLES:
+        if needle in cmdline:
+            return role
+    return "other"
+
+
+def snapshot(client_pids: set[int] = frozenset()) -> dict[int, ProcSample]:
+    """Every process's CPU time now; `client_pids` (the load generator) get the role "client"."""
+    samples = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        cpu = _cpu_s(pid)
+        if cpu is None:
+            continue
+        role = "client" if pid in client_pids else role_of(cmdline(pid))
+        samples[pid] = ProcSample(pid, role, cpu)
+    return samples
+
+
+def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for pid, sample in after.items():
+        start = before[pid].cpu_s if pid in before else 0.0
+        totals[sample.role] = totals.get(sample.role, 0.0) + max(0.0, sample.cpu_s - start)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def breakdown_table(by_role: dict[str, float], num_output_tokens: int, wall_s: float) -> str:
+    """Markdown: per role, CPU seconds, CPU s per 1,000 output tokens, share of all CPU, mean cores busy."""
+    total = sum(by_role.values()) or 1.0
+    per_k = 1000.0 / max(1, num_output_tokens)
+    rows = ["| process | CPU s | CPU s / 1k out tok | share | cores |", "|---|---|---|---|---|"]
+    for role, cpu in by_role.items():
+        if cpu < 0.05:
+            continue
+        rows.append(f"| {role} | {cpu:.1f} | {cpu * per_k:.2f} | {100 * cpu / total:.1f}% | {cpu / wall_s:.2f} |")
+    rows.append(f"| total | {total:.1f} | {total * per_k:.2f} | 100% | {total / wall_s:.2f} |")
+    return "\n".join(rows)

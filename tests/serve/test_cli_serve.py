@@ -1,0 +1,127 @@
+"""`conveyor serve` as a user runs it, in its own process and its own local Ray: the ingress listens on --port
+itself (direct ingress, no Serve proxy), streams reassemble to the non-streamed answer through the official
+client, and SIGTERM leaves no engine process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.serve.conftest import _free_port, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny"
+
+
+def _engine_pids() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and b"conveyor.serving.engine_core_loop" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.add(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v1/models", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, set[int]]]:
+    port = _free_port()
+    before = _engine_pids()
+    log = open(tmp_path_factory.mktemp("cli-serve") / "serve.log", "w")  # noqa: SIM115 - closed below
+    # RAY_ADDRESS=local: a cluster of its own, whatever else runs on this host (the suite's own Ray).
+    env = os.environ | {"RAY_ADDRESS": "local"}
+    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+           "--num-kv-blocks", "64", "--max-num-seqs", "8", "--num-cpus", "1",
+           "--config", str(_config(tmp_path_factory))]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is not None or _ready(url), 180, "conveyor serve to answer", 0.5)
+        assert proc.poll() is None, f"conveyor serve exited early: {Path(log.name).read_text()[-3000:]}"
+        yield url, proc, before
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def _config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli-serve-config") / "args.yaml"
+    path.write_text(f"served_model_name: {MODEL}\n")
+    return path
+
+
+def test_streams_reassemble_through_the_direct_ingress(server) -> None:
+    url, _, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0.0,
+                  extra_body={"ignore_eos": True}, logprobs=1)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert [t for c in text_chunks for t in c.choices[0].logprobs.tokens] == full.choices[0].logprobs.tokens
+    assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 40
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0.0,
+                stop=["zz"], extra_body={"ignore_eos": True})
+    answer = client.chat.completions.create(**chat).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat))
+    assert streamed == answer
+
+
+def _engine_gauge(url: str, name: str) -> float:
+    """A gauge of the engine replica, read from its own metrics endpoint (found through service discovery)."""
+    targets = httpx.get(url + "/metrics/targets", timeout=5).json()
+    address = next(t["targets"][0] for t in targets if t["labels"].get("conveyor_role") == "engine")
+    for line in httpx.get(f"http://{address}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_a_client_gone_mid_stream_frees_the_engine(server) -> None:
+    url, _, _ = server
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            assert next(lines).startswith("data:")
+            next(lines)
+        wait_until(lambda: _engine_gauge(url, "conveyor_requests_running") == 1, 10, "the stream to be running")
+    # Closing the connection reached the ingress directly (no proxy): the engine must let the request go.
+    wait_until(lambda: _engine_gauge(url, "conveyor_requests_running") == 0, 15, "the aborted request to end")
+    wait_until(lambda: _engine_gauge(url, "conveyor_kv_cache_usage_ratio") == 0, 15, "its blocks to be free")
+
+
+def test_sigterm_stops_every_engine_process(server) -> None:
+    url, proc, before = server
+    assert _ready(url)
+    mine = _engine_pids() - before
+    assert mine, "no engine child process found for conveyor serve"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=90)
+    wait_until(lambda: not (_engine_pids() & mine), 30, "the engine process to exit")
+    assert time.monotonic() - started < 90
