@@ -98,6 +98,7 @@ class EngineReplica:
 
         self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
         self.engine.add_step_listener(self.metrics.observe_step)
+        self.metrics.bind_load(self.engine.load)
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -192,6 +193,13 @@ class EngineMetrics:
             REQUESTS_FINISHED.labels(self.model, self.replica, out.finish_reason or "unknown").inc()
         else:
             self._last_token[rid] = now
+
+    def bind_load(self, load: Callable[[], Any]) -> None:
+        """Read the queue and KV gauges from `load()` (an EngineLoad) at scrape time: set only after steps,
+        they would keep showing a request that was aborted after the engine's last step."""
+        self._running.set_function(lambda: load().num_running)
+        self._waiting.set_function(lambda: load().num_waiting)
+        self._kv.set_function(lambda: load().kv_cache_usage)
 
     def observe_rejected(self, reason: str) -> None:
         REQUESTS_REJECTED.labels(self.model, self.replica, reason).inc()

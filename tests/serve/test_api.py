@@ -150,7 +150,8 @@ def test_chat_bad_inputs_and_server_keeps_serving(base_url: str, client: OpenAI)
 
 
 def test_first_chunk_is_not_buffered(base_url: str) -> None:
-    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = time.monotonic()
     first_at = None
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
@@ -161,7 +162,9 @@ def test_first_chunk_is_not_buffered(base_url: str) -> None:
                 first_at = first_at or time.monotonic() - start
                 lines.append(line)
     total = time.monotonic() - start
-    assert lines[-1] == "data: [DONE]" and len(lines) == 401
+    # Tokens that queue up behind a busy path travel together (router/replica.py), so chunks <= tokens.
+    assert lines[-1] == "data: [DONE]" and 3 <= len(lines) <= 402
+    assert json.loads(lines[-2][len("data:"):])["usage"]["completion_tokens"] == 400
     assert first_at < 0.5 * total, (first_at, total)
 
 
