@@ -32,7 +32,7 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
     By default the ingress replica listens on `port` itself ("direct ingress"): no Serve HTTP proxy process
     re-sends every SSE chunk through a Ray call, user code runs on the replica's own event loop, and handles
     talk gRPC. At saturation the proxy and the thread hops cost ~1 ms of CPU per streamed token on this path
-    (benchmarks/RESULTS.md, "Serving path"). `--http-proxy` keeps Serve's proxy (several apps under one port).
+    (benchmarks/RESULTS.md, "Session 5"). `--http-proxy` keeps Serve's proxy (several apps under one port).
     A value already in the environment wins.
     """
     if http_proxy:
