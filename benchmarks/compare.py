@@ -144,6 +144,16 @@ def vllm_python(args: argparse.Namespace) -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") else None
 
 
+def vllm_env(py: str, threads: int) -> dict[str, str]:
+    """vLLM's recommended CPU set-up: its KV space, OpenMP threads bound to cores, and tcmalloc and Intel OpenMP
+    preloaded where they exist."""
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
 def start_vllm(py: str | None, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
     """vLLM's OpenAI server on CPU, in its own session (its engine and worker are child processes)."""
     from conveyor.serving.models.loader import resolve_model_path
@@ -156,11 +166,7 @@ def start_vllm(py: str | None, args: argparse.Namespace) -> tuple[subprocess.Pop
     flags = ["--served-model-name", args.model, "--dtype", "float32", "--max-model-len", "2048",
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--disable-uvicorn-access-log"]
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-    # vLLM's CPU guide preloads tcmalloc and Intel OpenMP; give it its recommended setup where they exist.
-    preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
+    env = vllm_env(py, args.threads)
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", *flags]
     started = time.monotonic()
     proc, url = spawn_server("vllm_server", argv, args, 600, env)

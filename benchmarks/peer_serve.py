@@ -28,7 +28,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.compare import DEFAULT_VLLM_PYTHON, TCMALLOC, free_port, wait_http  # noqa: E402
+from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
 from benchmarks.proc_cpu import breakdown_table, cmdline, cpu_by_role, role_of, snapshot  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -43,7 +43,7 @@ def model_dir(model: str) -> str:
 
 
 # ---- servers ------------------------------------------------------------------------------------------
-def start_server(name: str, argv: list[str], env: dict[str, str], timeout_s: float) -> subprocess.Popen:
+def start_server(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     log = open(Path(tempfile.gettempdir()) / f"peer_serve_{name}.log", "w")  # noqa: SIM115 - the server's lifetime
     return subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
 
@@ -70,20 +70,17 @@ def start_conveyor(args: argparse.Namespace, port: int) -> subprocess.Popen:
         key, _, value = pair.partition("=")
         env[key] = value
     argv = [str(ROOT / ".venv" / "bin" / "conveyor"), "serve", "--port", str(port), *args.conveyor_arg]
-    return start_server("conveyor", argv, env, 300)
+    return start_server("conveyor", argv, env)
 
 
 def start_vllm(args: argparse.Namespace, port: int) -> subprocess.Popen:
     py = args.vllm_python
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    preload = [str(x) for x in (TCMALLOC, Path(py).parents[1] / "lib" / "libiomp5.so") if x.exists()]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
+    env = vllm_env(py, os.cpu_count() or 1)
     # fp32: bf16 matmuls are unusably slow on this CPU (design.md 4); everything else at vLLM's defaults.
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(args.model), "--port", str(port),
             "--host", "127.0.0.1", "--served-model-name", args.model, "--dtype", "float32",
             "--max-model-len", "2048", "--disable-uvicorn-access-log"]
-    return start_server("vllm", argv, env, 600)
+    return start_server("vllm", argv, env)
 
 
 def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
@@ -94,19 +91,19 @@ def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
         proc.wait(timeout=60)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    killed = []
+    killed: set[int] = set()
     for _ in range(3):
         leftover = [p for p in snapshot() if p not in before and p != os.getpid() and _is_server_process(p, proc.pid)]
         for pid in leftover:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                killed.add(pid)
             except ProcessLookupError:
                 pass
         if not leftover:
             break
         time.sleep(1.0)
-    return killed
+    return sorted(killed)
 
 
 def _is_server_process(pid: int, session: int) -> bool:

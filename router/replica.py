@@ -17,7 +17,7 @@ from typing import Any
 from ray import serve
 
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.outputs import RequestOutput, SampledToken
+from conveyor.serving.outputs import RequestOutput, SampledToken, merge_outputs
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
@@ -42,16 +42,6 @@ def make_request(prompt: str | list[int] | None, params: SamplingParams, request
         prefix = ",".join(map(str, prompt or []))
     return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
             "routing_prefix": prefix[:ROUTING_PREFIX_CHARS], "stream": stream}
-
-
-def coalesce(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Consecutive records of one request as one: texts and logprobs joined, tokens summed, the last's end."""
-    merged = dict(records[-1])
-    merged["text"] = "".join(r["text"] for r in records)
-    merged["num_tokens"] = sum(r["num_tokens"] for r in records)
-    if any("logprobs" in r for r in records):
-        merged["logprobs"] = [entry for r in records for entry in r.get("logprobs", [])]
-    return merged
 
 
 class LatencyWindow:
@@ -125,7 +115,7 @@ class EngineReplica:
             # A client that is not streaming reads nothing until the end: send it the rest as one record, not
             # one per token (each record costs both processes an RPC; ~850 a second in the overload drill).
             per_token = request.get("stream", True)
-            pending: list[dict[str, Any]] = []
+            pending: list[RequestOutput] = []
             while not output.finished:
                 output = await anext(stream)
                 now = time.monotonic()
@@ -134,9 +124,9 @@ class EngineReplica:
                 if per_token:
                     yield self._record(output)
                 else:
-                    pending.append(self._record(output))
+                    pending.append(output)
             if pending:
-                yield coalesce(pending)
+                yield self._record(merge_outputs(pending))
         finally:
             if not output.finished:
                 self._num_aborted += 1
