@@ -21,6 +21,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--itl-slo-ms", type=float, default=None,
                         help="tail-latency mode: size each step to keep inter-token latency under this target")
+    parser.add_argument("--gguf-max-rows", type=int, default=8,
+                        help="CPU, model from a GGUF: steps of at most this many tokens read its quantized blocks "
+                             "(0: always the fp32 weights)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
@@ -34,7 +37,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
                                   itl_slo_ms=args.itl_slo_ms),
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ class ServeArgs(BaseModel):
     memory_fraction: float = Field(0.25, gt=0, le=1)  # CPU: of MemAvailable
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
+    gguf_max_rows: int = Field(8, ge=0)  # CPU, GGUF model: steps this small read the quantized blocks; 0 off
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -93,7 +94,8 @@ class ServeArgs(BaseModel):
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       max_queue_wait_s=self.max_queue_wait_s,
                                       itl_slo_ms=self.itl_slo_ms),
-            attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs)
+            attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs,
+            gguf_max_rows=self.gguf_max_rows)
 
     def ingress_settings(self) -> IngressSettings:
         name = self.served_model_name or self.model

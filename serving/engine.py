@@ -15,6 +15,7 @@ from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import cpu_weight_packing_available
+from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
@@ -51,6 +52,7 @@ class LLMEngine:
         if (config.cpu_weight_packing and self.device.type == "cpu" and self.dtype == torch.float32
                 and cpu_weight_packing_available()):
             self.model.pack_for_cpu()
+        self.num_gguf_linears = self._attach_gguf_weights(config.gguf_max_rows)
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -75,6 +77,20 @@ class LLMEngine:
         logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
                     config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
                     num_blocks * block_size)
+
+    def _attach_gguf_weights(self, max_rows: int) -> int:
+        if max_rows == 0:
+            return 0
+        blocks = load_blocks(self.model.source_dir)
+        if blocks is None:
+            return 0  # not converted from a GGUF: nothing to say
+        reason = gguf_weights_unavailable_reason(self.device, self.dtype)
+        if reason is not None:
+            logger.info("GGUF blocks not used, all steps read fp32 weights: %s", reason)
+            return 0
+        count = attach_gguf_weights(self.model, blocks, max_rows)
+        logger.info("%d linears read the GGUF's quantized blocks in steps of <= %d tokens", count, max_rows)
+        return count
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -28,6 +28,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "SmolLM2-135M-Instruct"
 # Written last into a converted dir: its absence means the conversion did not finish and must be redone.
 COMPLETE_MARKER = ".conveyor-complete"
+# Bumped when a converted dir gains content: older dirs are converted again. 2: the GGUF's blocks kept too.
+CONVERSION_FORMAT = "format=2"
 
 
 class ModelDownloadError(RuntimeError):
@@ -43,7 +45,8 @@ def cache_dir() -> Path:
 
 
 def is_complete(model_dir: Path) -> bool:
-    return (model_dir / COMPLETE_MARKER).is_file()
+    marker = model_dir / COMPLETE_MARKER
+    return marker.is_file() and CONVERSION_FORMAT in marker.read_text().split()
 
 
 @contextmanager
@@ -80,6 +83,8 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from conveyor.serving.models.gguf_weights import extract_blocks, save_blocks
+
     start = time.perf_counter()
     log(f"converting {gguf_path.name} -> {out_dir} (once; ~1 min)")
     # We hold the lock, so any temp dir here is debris of a killed conversion (517 MB each): remove it.
@@ -102,7 +107,10 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     log(f"weights written ({time.perf_counter() - start:.1f}s); converting the tokenizer")
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
-    (tmp / COMPLETE_MARKER).write_text(f"source={gguf_path}\n")
+    blocks, types = extract_blocks(gguf_path, config)
+    save_blocks(tmp, blocks, types)
+    log(f"kept {len(blocks)} quantized weights in the file's own blocks ({sorted(set(types.values()))})")
+    (tmp / COMPLETE_MARKER).write_text(f"source={gguf_path}\n{CONVERSION_FORMAT}\n")
     shutil.rmtree(out_dir, ignore_errors=True)  # a half-done earlier attempt
     os.replace(tmp, out_dir)
     log(f"converted in {time.perf_counter() - start:.1f}s")

@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attention_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: logits reuse embed_tokens.weight directly, so no second parameter exists to untie by accident.
-        self.packed_logits: PackedLinear | None = None
+        self.packed_logits: nn.Module | None = None  # PackedLinear, or a GGUFLinear around one
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                        bias=False)
 

@@ -86,6 +86,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     net = build_model(config, dtype, torch.device(device), attention_backend)
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
+    net.source_dir = path  # where optional extras (a GGUF's quantized blocks) are found
     tokenizer = AutoTokenizer.from_pretrained(path)
     log(f"loaded {path.name} ({config.model_type}, {dtype}, {device}) in {time.perf_counter() - start:.2f}s")
     return net, config, tokenizer

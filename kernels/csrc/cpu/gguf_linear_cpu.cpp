@@ -1,0 +1,193 @@
+// y = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0), x float32: the small-batch linear of CPU decode.
+//
+// Why: at batch 1 a decode step reads every weight once and does 2 FLOP with it, so its time is the bytes read.
+// A Q4_1 weight is 5 bits instead of fp32's 32: the step reads ~5x fewer bytes. Each 32-weight block is expanded
+// to float32 in registers (w = q * d + m, exactly the dequantized value the fp32 checkpoint holds, rounded once
+// by the FMA) and multiplied with float32 activations, so the result differs from the dequantized fp32 GEMM only
+// by summation order: no activation quantization (llama.cpp's Q8_1 trick) and nothing lost against the file.
+//
+// Layouts are GGUF's own, rows of blocks: Q4_1 = {fp16 d, fp16 m, 16 bytes: element j in the low nibble of
+// byte j, element 16 + j in its high nibble}; Q8_0 = {fp16 d, 32 int8}. W [N, K] is uint8 [N, K / 32 * bytes].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CONVEYOR_GGUF_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ8_0Bytes = 34;
+// ggml's type ids, so the Python side can pass what the GGUF file says.
+constexpr int64_t kTypeQ4_1 = 3;
+constexpr int64_t kTypeQ8_0 = 8;
+// Activation rows handled together: each weight block is expanded once and used for this many rows.
+constexpr int kRowTile = 4;
+// Output features per parallel task: a few KB of weights, enough to outweigh a thread's wake-up.
+constexpr int64_t kGrainFeatures = 32;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#ifdef CONVEYOR_GGUF_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+#ifdef CONVEYOR_GGUF_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one block as four vectors of 8 floats.
+inline void expand_q4_1(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_to_float(block));
+  const __m256 m = _mm256_set1_ps(half_to_float(block + 2));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+}
+
+inline void expand_q8_0(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(half_to_float(block));
+  for (int i = 0; i < 4; ++i) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+  }
+}
+
+// out[r, n] for the rows of one tile; two accumulators per row keep the FMA chains short.
+template <int64_t Type, int Rows>
+void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
+              int64_t out_stride) {
+  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  // One accumulator per 8-weight group when a single row leaves registers to spare, two per row otherwise.
+  constexpr int kAcc = Rows == 1 ? 4 : 2;
+  __m256 acc[Rows][kAcc];
+  for (int r = 0; r < Rows; ++r)
+    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if constexpr (Type == kTypeQ4_1) {
+      expand_q4_1(weight_row + b * bytes, w);
+    } else {
+      expand_q8_0(weight_row + b * bytes, w);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const float* xb = x + r * x_stride + b * kBlock;
+      for (int i = 0; i < 4; ++i) acc[r][i % kAcc] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i % kAcc]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    __m256 total = acc[r][0];
+    for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[r][a]);
+    out[r * out_stride] = hsum(total);
+  }
+}
+#else
+inline void expand_block(int64_t type, const uint8_t* block, float w[kBlock]) {
+  const float d = half_to_float(block);
+  if (type == kTypeQ4_1) {
+    const float m = half_to_float(block + 2);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = static_cast<float>(block[4 + j] & 0x0F) * d + m;
+      w[16 + j] = static_cast<float>(block[4 + j] >> 4) * d + m;
+    }
+  } else {
+    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(static_cast<int8_t>(block[2 + j])) * d;
+  }
+}
+
+template <int64_t Type, int Rows>
+void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
+              int64_t out_stride) {
+  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  float acc[Rows] = {};
+  float w[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    expand_block(Type, weight_row + b * bytes, w);
+    for (int r = 0; r < Rows; ++r) {
+      const float* xb = x + r * x_stride + b * kBlock;
+      for (int j = 0; j < kBlock; ++j) acc[r] += w[j] * xb[j];
+    }
+  }
+  for (int r = 0; r < Rows; ++r) out[r * out_stride] = acc[r];
+}
+#endif
+
+template <int64_t Type>
+void linear_rows(const uint8_t* weight, int64_t row_bytes, int64_t num_blocks, const float* x, int64_t num_rows,
+                 int64_t in_features, float* out, int64_t out_features, int64_t n_begin, int64_t n_end) {
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kRowTile) {
+    const int64_t rows = std::min<int64_t>(kRowTile, num_rows - r0);
+    const float* xt = x + r0 * in_features;
+    float* ot = out + r0 * out_features;
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const uint8_t* wr = weight + n * row_bytes;
+      switch (rows) {
+        case 1: dot_rows<Type, 1>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
+        case 2: dot_rows<Type, 2>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
+        case 3: dot_rows<Type, 3>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
+        default: dot_rows<Type, 4>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
+      }
+    }
+  }
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t out_features) {
+  TORCH_CHECK(ggml_type == kTypeQ4_1 || ggml_type == kTypeQ8_0, "gguf_linear: unsupported ggml type ", ggml_type,
+              " (Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear: x must be float32 [M, K]");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "gguf_linear: weight must be contiguous uint8 [N, K / 32 * block bytes]");
+  const int64_t in_features = x.size(1);
+  TORCH_CHECK(in_features % kBlock == 0, "gguf_linear: K must be a multiple of 32, got ", in_features);
+  const int64_t num_blocks = in_features / kBlock;
+  const int64_t row_bytes = num_blocks * (ggml_type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes);
+  TORCH_CHECK(weight.size(0) == out_features && weight.size(1) == row_bytes, "gguf_linear: weight is ",
+              weight.sizes(), ", expected [", out_features, ", ", row_bytes, "] for K = ", in_features);
+  const at::Tensor xc = x.contiguous();
+  const int64_t num_rows = xc.size(0);
+  at::Tensor out = at::empty({num_rows, out_features}, x.options());
+  if (num_rows == 0) return out;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, out_features, kGrainFeatures, [&](int64_t begin, int64_t end) {
+    if (ggml_type == kTypeQ4_1) {
+      linear_rows<kTypeQ4_1>(w, row_bytes, num_blocks, xp, num_rows, in_features, op, out_features, begin, end);
+    } else {
+      linear_rows<kTypeQ8_0>(w, row_bytes, num_blocks, xp, num_rows, in_features, op, out_features, begin, end);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+}

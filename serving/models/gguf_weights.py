@@ -1,0 +1,183 @@
+"""A GGUF's quantized linear weights kept in the file's own blocks, for small-batch CPU steps.
+
+The fp32 model a GGUF converts to is exactly the dequantized blocks. For a step of a few tokens the engine reads
+the blocks instead (kernels/gguf.py): the same weights in ~5 bits (Q4_1) or 8.5 (Q8_0) rather than 32, so a
+batch-1 decode step, whose time is the bytes it reads, gets several times cheaper and computes the same thing up to
+summation order. Larger steps are compute-bound and keep the fp32 (oneDNN-packed) path.
+
+Conversion writes the blocks next to the fp32 checkpoint (`gguf/blocks.safetensors`: uint8 [N, K/32 * block
+bytes] under the HF parameter name, the ggml type in the metadata), with llama.cpp's q/k row permutation undone
+as transformers undoes it for the fp32 tensors.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from conveyor.kernels import gguf
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
+# Steps with more rows than this use the fp32 weights: from ~8 rows a Q4_1 GEMM is compute-bound on expanding
+# blocks, and oneDNN's packed fp32 GEMM is faster (benchmarks/RESULTS.md, session 6).
+DEFAULT_MAX_ROWS = 8
+
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> transformers' Llama parameter name (None: not a weight we keep in blocks)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    return None
+
+
+def _unpermute_rows(rows: Tensor, num_heads: int) -> Tensor:
+    """Undo llama.cpp's interleaving of q/k rows (transformers' reverse_permute_weights, on whole rows)."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def extract_blocks(gguf_path: Path, config) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The Q4_1/Q8_0 linear weights of a llama-family GGUF, HF-named, as raw blocks; plus name -> ggml type."""
+    from gguf import GGUFReader
+
+    tensors, types = {}, {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        name = hf_name(tensor.name)
+        ggml_type = int(tensor.tensor_type)
+        if name is None or ggml_type not in gguf.BLOCK_BYTES:
+            continue
+        rows = torch.from_numpy(tensor.data.copy())
+        if ".q_proj." in name:
+            rows = _unpermute_rows(rows, config.num_attention_heads)
+        elif ".k_proj." in name:
+            rows = _unpermute_rows(rows, config.num_key_value_heads)
+        tensors[name] = rows.contiguous()
+        types[name] = gguf.TYPE_NAMES[ggml_type]
+    return tensors, types
+
+
+def save_blocks(model_dir: Path, tensors: dict[str, Tensor], types: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path = model_dir / BLOCKS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"ggml_types": json.dumps(types)})
+    path.chmod(0o644)
+
+
+def load_blocks(model_dir: Path) -> dict[str, tuple[Tensor, int]] | None:
+    """name -> (uint8 blocks, ggml type), or None when the model did not come from a GGUF."""
+    from safetensors import safe_open
+
+    path = model_dir / BLOCKS_FILE
+    if not path.is_file():
+        return None
+    ids = {v: k for k, v in gguf.TYPE_NAMES.items()}
+    with safe_open(str(path), framework="pt") as f:
+        types = json.loads(f.metadata()["ggml_types"])
+        return {name: (f.get_tensor(name), ids[types[name]]) for name in f.keys()}  # noqa: SIM118
+
+
+class GGUFLinear(nn.Module):
+    """Steps of at most max_rows rows multiply by the GGUF blocks; larger ones call `dense` (the fp32 layer)."""
+
+    def __init__(self, blocks: Tensor, ggml_type: int, dense: nn.Module, out_features: int,
+                 bias: Tensor | None, max_rows: int) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.ggml_type = ggml_type
+        self.dense = dense
+        self.out_features = out_features
+        self.bias = bias
+        self.max_rows = max_rows
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] > self.max_rows:
+            return self.dense(x)
+        out = gguf.gguf_linear(x, self.blocks, self.ggml_type, self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def _fused_blocks(blocks: dict[str, tuple[Tensor, int]], names: list[str]) -> tuple[Tensor, int] | None:
+    """Row-concatenate the parts of a fused projection (q|k|v, gate|up); None unless all share one type."""
+    parts = [blocks.get(n) for n in names]
+    if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
+        return None
+    return torch.cat([p[0] for p in parts]), parts[0][1]
+
+
+def attach_gguf_weights(model: nn.Module, blocks: dict[str, tuple[Tensor, int]],
+                        max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Wrap every linear of a LlamaForCausalLM whose weights exist as blocks in a GGUFLinear; returns how many.
+    The blocks must dequantize to the model's weights (conversion guarantees it; tests check it)."""
+    count = 0
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        plan = [(attn, "qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                (attn, "o_proj", ["self_attn.o_proj"]),
+                (mlp, "gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+                (mlp, "down_proj", ["mlp.down_proj"])]
+        for parent, attr, parts in plan:
+            found = _fused_blocks(blocks, [f"{prefix}{p}.weight" for p in parts])
+            if found is not None:
+                count += _wrap(parent, attr, *found, max_rows)
+    if model.lm_head is not None:
+        count += _attach_logits(model, blocks.get("lm_head.weight"), max_rows)
+    else:
+        count += _attach_logits(model, blocks.get("model.embed_tokens.weight"), max_rows)
+    return count
+
+
+def _wrap(parent: nn.Module, attr: str, rows: Tensor, ggml_type: int, max_rows: int) -> int:
+    dense = getattr(parent, attr)
+    out_features = dense.out_features
+    if rows.shape[0] != out_features:
+        raise ValueError(f"{attr}: GGUF blocks have {rows.shape[0]} rows, the layer {out_features}")
+    setattr(parent, attr, GGUFLinear(rows, ggml_type, dense, out_features, dense.bias, max_rows))
+    return 1
+
+
+def _attach_logits(model: nn.Module, found: tuple[Tensor, int] | None, max_rows: int) -> int:
+    """The LM head: an untied lm_head, or the tied embedding (whose plain table the lookup keeps using)."""
+    if found is None:
+        return 0
+    rows, ggml_type = found
+    if model.lm_head is not None:
+        return _wrap(model, "lm_head", rows, ggml_type, max_rows)
+    dense = model.packed_logits or _TiedLogits(model.model.embed_tokens.weight)
+    model.packed_logits = GGUFLinear(rows, ggml_type, dense, rows.shape[0], None, max_rows)
+    return 1
+
+
+class _TiedLogits(nn.Module):
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def gguf_weights_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"the GGUF-block kernel is CPU-only (device {device})"
+    if dtype != torch.float32:
+        return f"the GGUF-block kernel takes float32 activations (dtype {dtype})"
+    if not gguf.is_available():
+        return "the CPU extension did not build"
+    return None

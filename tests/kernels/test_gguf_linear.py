@@ -1,0 +1,69 @@
+"""The GGUF-block linear (kernels/gguf.py) against its torch reference: dequantize, then an fp32 matmul."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conveyor.kernels import cpu_ext, gguf
+
+if not gguf.is_available():
+    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+
+TYPES = [gguf.Q4_1, gguf.Q8_0]
+
+
+def random_blocks(num_rows: int, in_features: int, ggml_type: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return gguf.quantize(torch.randn(num_rows, in_features, generator=gen), ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+def test_dequantize_matches_the_gguf_library(ggml_type: int) -> None:
+    from gguf import GGMLQuantizationType, dequantize
+
+    blocks = random_blocks(7, 96, ggml_type)
+    expected = dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type)).astype(np.float32)
+    assert torch.equal(gguf.dequantize(blocks, ggml_type, 96), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+def test_quantize_round_trips_within_half_a_step(ggml_type: int) -> None:
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    back = gguf.dequantize(gguf.quantize(w, ggml_type), ggml_type, 64)
+    step = (w.amax() - w.amin()) / (15 if ggml_type == gguf.Q4_1 else 254)
+    assert (back - w).abs().max() <= step  # half a step of rounding plus the fp16 scale's error
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 4, 5, 9, 17])
+@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576)], ids=str)
+def test_linear_matches_dequantized_matmul(ggml_type: int, num_rows: int, shape: tuple[int, int]) -> None:
+    out_features, in_features = shape
+    blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
+    expected = x @ gguf.dequantize(blocks, ggml_type, in_features).T
+    torch.testing.assert_close(gguf.gguf_linear(x, blocks, ggml_type, out_features), expected,
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_linear_takes_strided_and_batched_inputs() -> None:
+    blocks = random_blocks(40, 64, gguf.Q4_1)
+    wide = torch.randn(3, 2, 128)
+    x = wide[..., ::2]  # [3, 2, 64], not contiguous
+    expected = x.reshape(6, 64) @ gguf.dequantize(blocks, gguf.Q4_1, 64).T
+    out = gguf.gguf_linear(x, blocks, gguf.Q4_1, 40)
+    assert out.shape == (3, 2, 40)
+    torch.testing.assert_close(out.reshape(6, 40), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_bad_inputs_raise() -> None:
+    blocks = random_blocks(8, 64, gguf.Q4_1)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.conveyor_cpu.gguf_linear(torch.randn(1, 64), blocks, 2, 8)
+    with pytest.raises(RuntimeError, match="expected"):
+        gguf.gguf_linear(torch.randn(1, 64), blocks, gguf.Q8_0, 8)  # Q4_1 rows read as Q8_0
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        gguf.gguf_linear(torch.randn(1, 48), blocks, gguf.Q4_1, 8)
+    with pytest.raises(ValueError, match="unsupported ggml type"):
+        gguf.row_bytes(2, 64)

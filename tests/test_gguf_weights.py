@@ -1,0 +1,99 @@
+"""Steps that read a GGUF's quantized blocks (models/gguf_weights.py) compute what the fp32 weights compute."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conveyor.kernels import cpu_ext, gguf
+from conveyor.serving import LLM, SamplingParams
+from conveyor.serving.models.gguf_weights import GGUFLinear, hf_name, load_blocks, save_blocks
+
+if not gguf.is_available():
+    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9], [11, 12, 13], [5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9, 50],
+           list(range(40, 75))]
+NUM_TOKENS = [20, 31, 17, 12]
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama as if converted from a GGUF: linears in Q4_1 blocks (the LM head Q8_0), and the fp32
+    checkpoint holding exactly what those blocks dequantize to."""
+    out = tmp_path_factory.mktemp("tiny-gguf")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    weights = load_file(str(out / "model.safetensors"))
+    blocks, types = {}, {}
+    for name, tensor in weights.items():
+        if tensor.dim() == 2 and name.endswith("proj.weight") or name == "lm_head.weight":
+            ggml_type = gguf.Q8_0 if name == "lm_head.weight" else gguf.Q4_1
+            blocks[name] = gguf.quantize(tensor, ggml_type)
+            types[name] = gguf.TYPE_NAMES[ggml_type]
+            weights[name] = gguf.dequantize(blocks[name], ggml_type, tensor.shape[1])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_blocks(out, blocks, types)
+    return out
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_kv_blocks=256),
+    # chunked prefill, preemption (recompute) and prefix hits, all in steps small enough for the blocks
+    dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=8, max_num_seqs=4),
+], ids=["default", "chunked-preempting"])
+def test_greedy_tokens_equal_the_fp32_path(quantized_dir, engine_kwargs):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in NUM_TOKENS]
+    fp32 = LLM(str(quantized_dir), gguf_max_rows=0, **engine_kwargs)
+    assert fp32.engine.num_gguf_linears == 0
+    blocks = LLM(str(quantized_dir), gguf_max_rows=8, **engine_kwargs)
+    assert blocks.engine.num_gguf_linears == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+    expected = [r.token_ids for r in fp32.generate(PROMPTS, params)]
+    assert [r.token_ids for r in blocks.generate(PROMPTS, params)] == expected
+    if engine_kwargs["num_kv_blocks"] == 12:
+        assert blocks.engine.scheduler.num_preemptions_total > 0
+        assert blocks.engine.kv_cache.num_prefix_hits > 0
+
+
+def test_small_steps_use_the_blocks_and_large_ones_the_fp32_weights(quantized_dir, monkeypatch):
+    llm = LLM(str(quantized_dir), gguf_max_rows=4, num_kv_blocks=64)
+    layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, GGUFLinear)
+    calls = []
+    monkeypatch.setattr(gguf, "gguf_linear", lambda *a: calls.append(a[0].shape[0]) or torch.zeros(
+        a[0].shape[0], a[3]))
+    x = torch.randn(5, layer.dense.in_features)
+    layer(x)
+    assert calls == []
+    layer(x[:4])
+    assert calls == [4]
+
+
+def test_models_without_blocks_or_off_the_cpu_use_fp32(tiny_model_dir):
+    assert LLM(str(tiny_model_dir), num_kv_blocks=64).engine.num_gguf_linears == 0
+    with pytest.raises(ValueError, match="gguf_max_rows"):
+        LLM(str(tiny_model_dir), gguf_max_rows=-1)
+
+
+def test_gguf_names_map_to_transformers_names():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.0.attn_norm.weight") is None
+
+
+@pytest.mark.slow
+def test_smollm2_blocks_dequantize_to_its_fp32_weights_exactly():
+    """The converted SmolLM2 keeps its GGUF blocks, q/k rows un-permuted as transformers does for fp32."""
+    from conveyor.serving.models.loader import resolve_model_path
+
+    try:
+        model_dir = resolve_model_path("smollm2")
+    except Exception as exc:  # no registry reachable: the only reason this may be skipped
+        pytest.skip(f"SmolLM2 is not available: {exc}")
+    blocks = load_blocks(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    assert len(blocks) == 30 * 7 + 1  # every layer's seven projections, and the (tied) embedding
+    for name, (rows, ggml_type) in blocks.items():
+        assert torch.equal(gguf.dequantize(rows, ggml_type, weights[name].shape[1]), weights[name]), name
