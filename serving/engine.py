@@ -10,13 +10,14 @@ import torch
 
 from conveyor.kernels import ops
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.detokenizer import IncrementalDetokenizer, apply_chat_template, tokenize
+from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import cpu_weight_packing_available
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
+from conveyor.serving.output_processor import CoreOutput, OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
 from conveyor.serving.scheduler import Scheduler
@@ -73,7 +74,7 @@ class LLMEngine:
                                   max_num_seqs=min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
                                   cuda_graphs="capture" if config.enable_cuda_graphs else "off")
         self.eos_token_id = self.tokenizer.eos_token_id
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
                     config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
                     num_blocks * block_size)
@@ -128,33 +129,47 @@ class LLMEngine:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.scheduler.add_request(request)
-        params = request.sampling_params
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.output_processor.add(request.request_id, request.prompt_token_ids, request.sampling_params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._detokenizers.pop(request.request_id, None)
+            self.output_processor.remove(request.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], EngineStepStats]:
+        """A core step, then its outputs processed here (text, stop strings)."""
+        core_outputs, stats = self.core_step()
+        start = time.perf_counter()
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        stats.timings.process_s = time.perf_counter() - start
+        return outputs, stats
+
+    def core_step(self) -> tuple[list[CoreOutput], EngineStepStats]:
+        """Schedule, run the model, sample, append: token ids out, no text (see output_processor.py)."""
         start = time.perf_counter()
         queries, hits = self.kv_cache.num_prefix_queries, self.kv_cache.num_prefix_hits
         sched = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         runner_out = self.runner.execute(sched)
+        executed = time.perf_counter()
         # Classify chunks before update() appends the sampled tokens and moves the requests on.
         num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         updated = self.scheduler.update(sched, runner_out)
         now = time.monotonic()
-        outputs = [self._output_for(request, runner_out.sampled[request.request_id], now) for request in updated]
-        # Timed after detokenizing: the step-cost model should see all the work a stream waits for.
+        sampled = runner_out.sampled
+        outputs = [self._core_output(request, sampled[request.request_id], now) for request in updated]
         self.scheduler.observe_step(sched, time.perf_counter() - start)
+        timings = runner_out.timings
+        timings.schedule_s = scheduled - start
+        timings.output_s = time.perf_counter() - executed
         stats = EngineStepStats(
-            step_time_s=time.perf_counter() - start, num_scheduled_tokens=sched.num_scheduled_tokens,
+            step_time_s=time.perf_counter() - start, timings=timings,
+            num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=num_prefill, num_decode_tokens=sched.num_scheduled_tokens - num_prefill,
             batch_size=len(sched.chunks), num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache.usage,
@@ -163,21 +178,11 @@ class LLMEngine:
             num_prefix_cache_hits=self.kv_cache.num_prefix_hits - hits)
         return outputs, stats
 
-    def _output_for(self, request: Request, sampled: SampledToken, now: float) -> RequestOutput:
-        rid = request.request_id
+    @staticmethod
+    def _core_output(request: Request, sampled: SampledToken, now: float) -> CoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
-        detok = self._detokenizers[rid]
-        delta = detok.update([sampled.token_id])
-        if detok.stopped and not request.is_finished:
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            delta += detok.flush()
-            del self._detokenizers[rid]
-        return RequestOutput(
-            request_id=rid, delta_text=delta, delta_token_ids=[sampled.token_id], text=detok.text,
-            token_ids=request.output_token_ids, num_prompt_tokens=request.num_prompt_tokens,
-            finished=request.is_finished, finish_reason=request.status.finish_reason,
-            delta_logprobs=[sampled] if request.sampling_params.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens, arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time, first_token_time=request.first_token_time)
+        return CoreOutput(
+            request.request_id, sampled.token_id, request.status.finish_reason,
+            sampled if request.sampling_params.logprobs is not None else None, len(request.prompt_token_ids),
+            request.num_cached_tokens, request.arrival_time, request.first_scheduled_time, request.first_token_time)

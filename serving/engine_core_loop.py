@@ -2,7 +2,6 @@
 parent's commands until the pipe closes. Runs in a spawned process; nothing here is shared with the parent."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -11,7 +10,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.outputs import RequestOutput
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -111,7 +109,7 @@ class _Core:
 
     def _step(self) -> None:
         try:
-            outputs, stats = self.engine.step()
+            outputs, stats = self.engine.core_step()
         except Exception as exc:  # keep serving, as AsyncEngine does: fail the live requests, not the process
             logger.exception("engine step failed")
             live = list(self.engine.scheduler.requests)
@@ -120,7 +118,7 @@ class _Core:
                 self.conn.send(("reject", request_id, "engine_error", f"engine step failed: {exc}", 0.0))
             self.conn.send(("load", self.load()))
             return
-        self.conn.send(("step", [_slim(o) for o in outputs], stats, self.load()))
+        self.conn.send(("step", outputs, stats, self.load()))
 
     def _drain(self) -> int:
         applied = 0
@@ -153,10 +151,6 @@ class _Core:
             return {"num_block_tables": len(kv.block_tables), "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.num_blocks}
         return None
-
-
-def _slim(output: RequestOutput) -> RequestOutput:
-    return dataclasses.replace(output, text="", token_ids=[])
 
 
 if __name__ == "__main__":

@@ -9,14 +9,16 @@ and the step listeners (metrics); the child owns the model, the scheduler and th
 Wire protocol (one socket pair wrapped in multiprocessing Connections, pickled tuples):
   parent -> child  ("start", config, torch_num_threads), then
                    ("add", request_id, prompt, params) | ("abort", request_id) | ("query", query_id, name)
-  child -> parent  ("ready", info) | ("build_error", text) | ("step", outputs, stats, load)
+  child -> parent  ("ready", info) | ("build_error", text) | ("step", core_outputs, stats, load)
                    | ("load", load) | ("reject", request_id, kind, message, retry_after_s) | ("reply", id, value)
-Outputs cross without their cumulative text and token ids (O(n^2) bytes over a stream); the parent rebuilds them.
+The child steps the engine core only (CoreOutput: token ids). The parent tokenizes prompts and turns token ids
+into text (output_processor.py) while the child computes the next step: neither is on the step's critical path.
+A stop string is found here, so the parent aborts that request in the child, which may have computed one more
+token for it by then (dropped).
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import socket
@@ -32,6 +34,7 @@ from typing import Any
 from conveyor.serving.async_engine import EngineLoad, _Stream, post_all
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
+from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
@@ -40,12 +43,6 @@ logger = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 600.0  # model conversion on first use can take minutes on a slow disk
 QUERY_TIMEOUT_S = 30.0
-
-
-@dataclasses.dataclass
-class _Accumulated:
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class ProcessEngine:
@@ -61,7 +58,6 @@ class ProcessEngine:
         self._conn.send(("start", config, torch_num_threads))
         self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._accumulated: dict[str, _Accumulated] = {}
         self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
         self._replies: dict[int, Future] = {}
         self._query_ids = itertools.count()
@@ -76,6 +72,7 @@ class ProcessEngine:
         from transformers import AutoTokenizer  # the parent tokenizes: chat templates, default max_tokens
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.info["model_path"])
+        self._processor = OutputProcessor(self.tokenizer)
         self._reader = threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True)
         self._reader.start()
 
@@ -134,19 +131,20 @@ class ProcessEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
+        prompt_token_ids = self.tokenize(prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._accumulated[request_id] = _Accumulated()
+        self._processor.add(request_id, prompt_token_ids, params)
         self._num_adds_sent += 1
         finished = False
         try:
-            self._send(("add", request_id, prompt, params))
+            self._send(("add", request_id, prompt_token_ids, params))
             async for item in stream.outputs(coalesce):
                 finished = item.finished
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            self._accumulated.pop(request_id, None)
+            self._processor.remove(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -212,8 +210,11 @@ class ProcessEngine:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "step":
-            _, outputs, stats, load = message
+            _, core_outputs, stats, load = message
             self._set_load(load)
+            outputs, stopped = self._processor.process(core_outputs)
+            for request_id in stopped:
+                self.abort(request_id)
             # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
             for listener in self._step_listeners:
                 listener(stats, outputs)
@@ -235,13 +236,9 @@ class ProcessEngine:
         self._load = load
 
     def _delivery(self, output: RequestOutput) -> tuple[_Stream, RequestOutput] | None:
-        acc = self._accumulated.get(output.request_id)
         stream = self._streams.get(output.request_id)
-        if acc is None or stream is None:
+        if stream is None:
             return None  # the consumer left; the abort is on its way
-        acc.text += output.delta_text
-        acc.token_ids.extend(output.delta_token_ids)
-        output.text, output.token_ids = acc.text, acc.token_ids
         return stream, output
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:

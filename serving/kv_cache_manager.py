@@ -15,6 +15,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept in step with block_tables: a decode step hands its request's list
+        # to the runner without rebuilding it.
+        self._block_ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         # Chained hashes of each live request's full blocks; tokens never change, so they survive preemption.
         self._hashes: dict[str, list[int]] = {}
@@ -37,7 +40,7 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+        return list(self._block_ids.get(request_id, ()))
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -76,7 +79,20 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
-        """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed."""
+        """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed. Returns the
+        request's block ids: a live list that later allocations extend (read it within the step)."""
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:  # a running request grows: the common case
+            num_new_blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
+            ids = self._block_ids[request.request_id]
+            if num_new_blocks <= 0:
+                return ids
+            if num_new_blocks > self.pool.num_free_blocks:
+                return None
+            new_blocks = self.pool.allocate(num_new_blocks)
+            table.extend(new_blocks)
+            ids.extend(b.block_id for b in new_blocks)
+            return ids
         computed = new_computed_blocks or []
         if self._num_blocks_short(request, num_new_tokens, computed) > 0:
             return None
@@ -89,7 +105,8 @@ class KVCacheManager:
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(table)
         if num_new_blocks > 0:
             table.extend(self.pool.allocate(num_new_blocks))
-        return [b.block_id for b in table]
+        ids = self._block_ids[request.request_id] = [b.block_id for b in table]
+        return ids
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks that became full with computed tokens, so later requests can share them."""
@@ -111,6 +128,7 @@ class KVCacheManager:
 
     def free(self, request: Request, forget_hashes: bool = True) -> None:
         table = self.block_tables.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.pool.free(reversed(table))
         self._num_registered.pop(request.request_id, None)
         if forget_hashes:

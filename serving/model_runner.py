@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
 
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.cuda_graphs import DecodeGraphs, capture_sizes, graph_unsafe_reason
-from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.serving.input_batch import InputBatch
+from conveyor.serving.kv_cache_manager import cdiv
+from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput, StepTimings
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.sampler import Sampler, make_generator
 
@@ -59,6 +62,9 @@ class ModelRunner:
         kv = zeroed_tensor((num_layers, 2, *shape), dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
         self.sampler = Sampler()
+        # A row never needs more blocks than the context holds, nor than the cache has.
+        max_blocks = min(cdiv(max_model_len, block_size) if max_model_len else num_blocks, num_blocks)
+        self.input_batch = InputBatch(max_num_seqs, max_blocks, block_size)
         self._generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs != "off":
@@ -72,25 +78,36 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
+        # Released on every step, graph replays included, so no ended request keeps a row.
+        self.input_batch.release(sched.finished_ids)
+        self.input_batch.release(sched.preempted_ids)
         if sched.is_empty:
             return ModelRunnerOutput()
+        timings = StepTimings()
+        start = time.perf_counter()
         hidden = self.decode_graphs.run(sched.chunks) if self.decode_graphs is not None else None
-        if hidden is not None:  # one row per chunk, in order
+        if hidden is not None:  # one row per chunk, in order (graph replay: preparing and running are one)
             rows = [i for i, c in enumerate(sched.chunks) if c.samples]
             logits_indices = (slice(None) if len(rows) == len(sched.chunks)
                               else torch.tensor(rows, dtype=torch.int64).to(self.device))
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(sched)
+            timings.prepare_s = time.perf_counter() - start
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling_chunks = [c for c in sched.chunks if c.samples]
+        if sampling_chunks:
+            logits = self.model.compute_logits(hidden[logits_indices])
+        forward_end = time.perf_counter()
+        timings.forward_s = forward_end - start - timings.prepare_s
         if not sampling_chunks:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[logits_indices])
+            return ModelRunnerOutput(timings=timings)
         params = [c.request.sampling_params for c in sampling_chunks]
         generators = [self._generator_for(c.request.request_id, c.request.sampling_params.seed)
                       for c in sampling_chunks]
         sampled = self.sampler(logits, params, generators)
-        return ModelRunnerOutput({c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)})
+        out = {c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)}
+        timings.sample_s = time.perf_counter() - forward_end
+        return ModelRunnerOutput(out, timings)
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -102,36 +119,18 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        chunks = sched.chunks
-        token_ids: list[int] = []
-        query_lens, seq_lens, starts, logits_indices = [], [], [], []
-        for chunk in chunks:
-            token_ids.extend(chunk.request.token_slice(chunk.start, chunk.end))
-            query_lens.append(chunk.num_tokens)
-            seq_lens.append(chunk.end)
-            starts.append(chunk.start)
-            if chunk.samples:
-                logits_indices.append(len(token_ids) - 1)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)
-        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        # Position of each packed token: its chunk's start plus its offset inside the chunk.
-        offsets = torch.arange(len(token_ids)) - query_start_loc[:-1].long()[seq_index]
-        positions = torch.tensor(starts, dtype=torch.int64)[seq_index] + offsets
-        block_of_token = block_tables.long()[seq_index, positions // self.block_size]
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        arrays = self.input_batch.prepare(sched.chunks)
         dev = self.device
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev), block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), query_start_loc=query_start_loc.to(dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            seq_lens_list=seq_lens, query_lens_list=query_lens, finite_cache=True)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev)
-        return input_ids, positions.to(dev), meta, torch.tensor(logits_indices, dtype=torch.int64).to(dev)
+            slot_mapping=tensor(arrays.slot_mapping), block_tables=tensor(arrays.block_tables),
+            seq_lens=tensor(arrays.seq_lens), query_start_loc=tensor(arrays.query_start_loc),
+            max_query_len=max(arrays.query_lens), max_seq_len=max(arrays.seq_lens_list),
+            seq_lens_list=arrays.seq_lens_list, query_lens_list=arrays.query_lens, finite_cache=True)
+        return (tensor(arrays.token_ids), tensor(arrays.positions), meta, tensor(arrays.logits_indices))
 
 
 @torch.inference_mode()

@@ -60,8 +60,29 @@ class SampledToken:
 
 
 @dataclass
+class StepTimings:
+    """Where one step's wall time went (seconds). On CUDA the forward is asynchronous: its kernels finish inside
+    sample_s, where the sampled tokens are copied to the host."""
+
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # the runner's input tensors and attention metadata
+    forward_s: float = 0.0  # the decoder (logits included)
+    sample_s: float = 0.0
+    output_s: float = 0.0  # scheduler update, token-level output records
+    # Output processing (detokenizing, stop strings, RequestOutputs): after the core step, in the consumer's
+    # process; 0 where the consumer is another process (ProcessEngine's parent does it).
+    process_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        """The core step's host work: everything but the forward."""
+        return self.schedule_s + self.prepare_s + self.sample_s + self.output_s
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    timings: StepTimings = field(default_factory=StepTimings)
 
 
 @dataclass
@@ -77,6 +98,7 @@ class EngineStepStats:
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    timings: StepTimings = field(default_factory=StepTimings)
 
 
 @dataclass

@@ -58,12 +58,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        # By value: an Enum member's own hash is a Python-level call, and this runs per request per step.
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+        return self._value_ if self._value_ in _FINISHED_VALUES else None
+
+
+_FINISHED_VALUES = frozenset({"stop", "length", "abort"})
 
 
 @dataclass(eq=False)

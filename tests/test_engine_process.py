@@ -60,6 +60,26 @@ def test_streams_the_same_tokens_as_the_in_process_engine(engine, tiny_model_dir
     assert streamed[-1].finished and streamed[-1].finish_reason == "length"
 
 
+def test_stop_strings_end_the_stream_as_in_process_and_free_the_request(engine, tiny_model_dir):
+    """The parent finds the stop string (it detokenizes) and aborts the request in the child: the stream ends
+    exactly where the in-process engine ends it, and no token computed after the stop leaks out."""
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = asyncio.run(_collect(engine, "The quick brown fox", free))[-1].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), f"pick a stop string inside {full!r}"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+    local = AsyncEngine(LLMEngine(_config(tiny_model_dir)))
+    try:
+        expected = asyncio.run(_collect(local, "The quick brown fox", params))
+    finally:
+        local.shutdown()
+    streamed = asyncio.run(_collect(engine, "The quick brown fox", params))
+    assert streamed[-1].finish_reason == expected[-1].finish_reason == "stop"
+    assert streamed[-1].text == expected[-1].text == full[:full.index(stop)]
+    assert [o.delta_token_ids for o in streamed] == [o.delta_token_ids for o in expected]
+    assert _wait_for(lambda: engine.block_state()["num_block_tables"] == 0)
+
+
 def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine):
     async def main():
         gen = engine.generate("The quick brown fox", SamplingParams(max_tokens=200, ignore_eos=True))

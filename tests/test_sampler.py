@@ -223,3 +223,21 @@ def test_underflowing_temperature_and_top_p_still_pick_a_real_token():
     params = [SamplingParams(temperature=1e-300), SamplingParams(top_p=5e-324)]
     tokens = [t.token_id for t in Sampler(seed=0)(logits, params, [None, None])]
     assert tokens == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (0, 0.9), (300, 0.5), (0, 0.999), (5, 0.3)])
+def test_top_candidates_keep_what_a_full_sort_keeps(top_k: int, top_p: float) -> None:
+    """Filtering among a row's top candidates keeps the same tokens with the same probabilities as the full sort,
+    on every row it calls exact; peaked rows (as a trained model's) are exact."""
+    from conveyor.serving.sampler import _apply_top_k_top_p, top_candidates
+
+    gen = torch.Generator().manual_seed(top_k)
+    vocab = 5000
+    logits = torch.randn(12, vocab, generator=gen) * torch.linspace(1, 12, 12).unsqueeze(1)
+    k = torch.full((12,), top_k if top_k else vocab)
+    p = torch.full((12,), top_p)
+    cand_logits, cand_ids, exact = top_candidates(logits, k, p)
+    assert bool(exact[6:].all())  # the peaked half
+    full = torch.softmax(_apply_top_k_top_p(logits, k, p), dim=-1)
+    mine = torch.zeros_like(full).scatter_(1, cand_ids, torch.softmax(cand_logits, dim=-1))
+    torch.testing.assert_close(mine[exact], full[exact], atol=1e-6, rtol=1e-5)

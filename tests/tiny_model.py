@@ -29,8 +29,9 @@ def build_tokenizer(vocab_size: int = 384):
     return fast
 
 
-def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0) -> Path:
-    """Save a random Llama (or Qwen2 when qkv_bias) with a matching tokenizer into path; return path."""
+def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0, **config_overrides) -> Path:
+    """Save a random Llama (or Qwen2 when qkv_bias) with a matching tokenizer into path; return path.
+    config_overrides replace config fields (num_hidden_layers=1, hidden_size=..., for benchmarks)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -39,6 +40,7 @@ def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0) -> Pa
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   tie_word_embeddings=qkv_bias)
+    common.update(config_overrides)
     torch.manual_seed(seed)
     if qkv_bias:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
