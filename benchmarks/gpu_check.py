@@ -172,9 +172,9 @@ def build_smollm2_shaped(path: pathlib.Path, device: str = "cuda", **overrides) 
 
 
 def _engine_pass(engine, seed: int, num_prompts: int, prompt_len: int,  # noqa: ANN001 - LLMEngine
-                 max_tokens: int) -> tuple[float, int, list[float]]:
-    """One offline pass; (seconds, output tokens, decode-only step times). A fresh seed each pass: no
-    prefix-cache hits between passes."""
+                 max_tokens: int) -> tuple[float, int, list[float], list[float]]:
+    """One offline pass; (seconds, output tokens, decode-only step times, their host work). A fresh seed each
+    pass: no prefix-cache hits between passes."""
     import random
 
     import torch
@@ -186,16 +186,17 @@ def _engine_pass(engine, seed: int, num_prompts: int, prompt_len: int,  # noqa: 
         ids = [rng.randrange(3, SMOLLM2_SHAPES["vocab_size"]) for _ in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(engine.make_request(ids, params, f"s{seed}-{i}"))
-    decode_steps, tokens = [], 0
+    decode_steps, host, tokens = [], [], 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         outputs, stats = engine.step()
         tokens += len(outputs)
         if stats.num_prefill_tokens == 0:
             decode_steps.append(stats.step_time_s)
+            host.append(stats.timings.host_s)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, tokens, decode_steps
+    return time.perf_counter() - t0, tokens, decode_steps, host
 
 
 def engine_run(model_dir: pathlib.Path, graphs: bool, num_prompts: int, prompt_len: int, out_len: int) -> dict:
@@ -221,8 +222,9 @@ def engine_run(model_dir: pathlib.Path, graphs: bool, num_prompts: int, prompt_l
     _engine_pass(engine, 1, num_prompts, prompt_len, 8)
     graphs_obj = engine.runner.decode_graphs
     replays_before = graphs_obj.num_replays if graphs_obj is not None else 0
-    seconds, tokens, decode_steps = _engine_pass(engine, 2, num_prompts, prompt_len, out_len)
+    seconds, tokens, decode_steps, host = _engine_pass(engine, 2, num_prompts, prompt_len, out_len)
     decode_steps.sort()
+    host.sort()
     result = {
         "cuda_graphs": graphs_obj is not None, "backend": engine.attention_backend, "dtype": str(engine.dtype),
         "init_s": round(init_s, 2), "kv_blocks": engine.kv_cache.num_blocks,
@@ -232,6 +234,8 @@ def engine_run(model_dir: pathlib.Path, graphs: bool, num_prompts: int, prompt_l
         "seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_per_s": round(tokens / seconds, 1),
         "decode_steps": len(decode_steps),
         "decode_step_ms_p50": round(1e3 * decode_steps[len(decode_steps) // 2], 3) if decode_steps else None,
+        # host work of a decode step (schedule, inputs, sampling, update): graph replays fold inputs into forward
+        "decode_host_ms_p50": round(1e3 * host[len(host) // 2], 3) if host else None,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
     del engine, graphs_obj

@@ -126,13 +126,31 @@ def roofline_report(llm: LLM) -> dict:
     print(f"roofline: fp32 matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
           f"{num_params / 1e6:.1f}M params")
     report = {"matmul_gflops": flops / 1e9, "copy_gb_s": bandwidth / 1e9, "decode": {}}
+    block_bytes, block_params = gguf_block_weights(llm)
     for batch_size, measured in steps.items():
         floor = decode_step_floor(num_params, 4, batch_size, flops, bandwidth)
         report["decode"][batch_size] = {"measured_ms": measured * 1e3, "floor_ms": floor * 1e3}
         print(f"  decode step at batch {batch_size:>3}: {measured * 1e3:6.1f} ms measured, "
-              f"{floor * 1e3:6.1f} ms floor ({floor / measured:.0%} of roofline), "
+              f"{floor * 1e3:6.1f} ms floor of fp32 weights ({measured / floor:.2f}x the floor), "
               f"{batch_size / measured:6.1f} tok/s")
+        if block_params and batch_size <= llm.engine.config.gguf_max_rows:
+            # What the step reads when its linears use the GGUF blocks: their bytes plus the other fp32 weights.
+            read = block_bytes + 4 * (num_params - block_params)
+            byte_floor = max(read / bandwidth, 2 * num_params * batch_size / flops)
+            report["decode"][batch_size]["gguf_floor_ms"] = byte_floor * 1e3
+            print(f"    reading the GGUF blocks ({read / 1e6:.0f} MB, not {4 * num_params / 1e6:.0f}): floor "
+                  f"{byte_floor * 1e3:.1f} ms ({measured / byte_floor:.2f}x it)")
     return report
+
+
+def gguf_block_weights(llm: LLM) -> tuple[int, int]:
+    """(bytes of the GGUF blocks small steps read, parameters they stand for)."""
+    from conveyor.kernels import gguf
+    from conveyor.serving.models.gguf_weights import GGUFLinear
+
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, GGUFLinear)]
+    return (sum(m.blocks.numel() for m in layers),
+            sum(m.out_features * m.blocks.shape[1] // gguf.BLOCK_BYTES[m.ggml_type] * gguf.BLOCK for m in layers))
 
 
 if __name__ == "__main__":

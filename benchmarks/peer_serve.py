@@ -117,7 +117,8 @@ def _is_server_process(pid: int, session: int) -> bool:
 
 
 # ---- the client --------------------------------------------------------------------------------------
-def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: str) -> dict:
+def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: str,
+               max_concurrency: int | None = None) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="peer_serve_"))
     prompts = out_dir / "prompts.json"
     cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_bench_client.py"), "--backend", "openai",
@@ -128,6 +129,8 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json",
            "--dump-prompts", str(prompts), "--disable-tqdm"]
+    if max_concurrency:
+        cmd += ["--max-concurrency", str(max_concurrency)]
     before, children_before = snapshot(), _children_cpu_s()
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout_s)
@@ -137,7 +140,8 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
     if done.returncode != 0:
         raise RuntimeError(f"client failed ({tag}, rate {rate}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads((out_dir / "result.json").read_text())
-    row = summarize_client(result) | {"target": tag, "rate": rate, "seed": seed, "wall_s": wall, "cpu_s": cpu}
+    row = summarize_client(result) | {"target": tag, "rate": rate if not max_concurrency else f"c={max_concurrency}",
+                                      "seed": seed, "wall_s": wall, "cpu_s": cpu}
     row["prompts_file"] = str(prompts)
     return row
 
@@ -230,6 +234,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="conveyor,vllm,inproc")
     p.add_argument("--rates", default="inf,1,0.5", help="request rates (req/s); the first should be inf")
+    p.add_argument("--concurrencies", default="", help="instead of rates: closed loops of this many requests in "
+                   "flight (vLLM's --max-concurrency), e.g. 1,4: the latency of small batches")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -256,8 +262,10 @@ def main() -> None:
         try:
             wait_ready(url, args.model, proc, 600)
             print(f"{target} ready in {time.monotonic() - started:.0f} s", flush=True)
-            for i, rate in enumerate(rates):
-                rows.append(run_client(args, url, rate, args.seed + i, target))
+            loads = ([("inf", int(c)) for c in args.concurrencies.split(",")] if args.concurrencies
+                     else [(rate, None) for rate in rates])
+            for i, (rate, concurrency) in enumerate(loads):
+                rows.append(run_client(args, url, rate, args.seed + i, target, concurrency))
                 print(report(rows[-1:]).split("\n\n")[0], flush=True)
         finally:
             killed = stop_all(proc, before)

@@ -60,14 +60,17 @@ def test_small_steps_use_the_blocks_and_large_ones_the_fp32_weights(quantized_di
     llm = LLM(str(quantized_dir), gguf_max_rows=4, num_kv_blocks=64)
     layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(layer, GGUFLinear)
-    calls = []
-    monkeypatch.setattr(gguf, "gguf_linear", lambda *a: calls.append(a[0].shape[0]) or torch.zeros(
-        a[0].shape[0], a[3]))
-    x = torch.randn(5, layer.dense.in_features)
+    dense_rows = []
+    dense = layer.dense
+    forward = dense.forward
+    monkeypatch.setattr(dense, "forward", lambda x: dense_rows.append(x.shape[0]) or forward(x))
+    x = torch.randn(5, dense.in_features)
     layer(x)
-    assert calls == []
-    layer(x[:4])
-    assert calls == [4]
+    assert dense_rows == [5]
+    small = layer(x[:4])
+    assert dense_rows == [5]
+    expected = x[:4] @ gguf.dequantize(layer.blocks, layer.ggml_type, dense.in_features).T
+    torch.testing.assert_close(small, expected, atol=1e-4, rtol=1e-5)
 
 
 def test_models_without_blocks_or_off_the_cpu_use_fp32(tiny_model_dir):
