@@ -39,24 +39,35 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, IncrementalDetokenizer] = {}
+        # Requests whose first token has not come yet. Their detokenizer (which decodes the prompt's tail) is made
+        # then: by that time the core has validated the prompt, and ids no tokenizer can decode never reach it.
+        self._pending: dict[str, tuple[list[int], SamplingParams]] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._states[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+        self._pending[request_id] = (prompt_token_ids, params)
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._pending.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._states or request_id in self._pending
+
+    def _detokenizer(self, request_id: str) -> IncrementalDetokenizer | None:
+        detok = self._states.get(request_id)
+        if detok is None and (pending := self._pending.pop(request_id, None)) is not None:
+            prompt_token_ids, params = pending
+            detok = self._states[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+        return detok
 
     def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """The outputs of one core step, and the ids of requests a stop string ended (finish them in the core).
         Outputs of requests no longer tracked (aborted, or a token computed after their stop string) are dropped."""
         outputs, stopped = [], []
         for core in core_outputs:
-            detok = self._states.get(core.request_id)
+            detok = self._detokenizer(core.request_id)
             if detok is None:
                 continue
             delta = detok.update([core.token_id])

@@ -34,3 +34,13 @@ def test_text_totals_stop_strings_and_late_tokens():
     # tokens the core computed after the stop (or for an aborted request) are dropped, not delivered
     assert len(stops) < len(ids) and "stops" not in processor and "free" not in processor
     assert processor.process([_core("stops", ids[0]), _core("unknown", ids[0])]) == ([], [])
+
+
+def test_prompts_are_decoded_only_once_the_core_accepted_them():
+    """An id no tokenizer can decode (the core refuses it) must not fail at add: the prompt tail is decoded at
+    the request's first token."""
+    processor = OutputProcessor(build_tokenizer())
+    processor.add("bad", [3, 1 << 62], SamplingParams())
+    assert "bad" in processor
+    processor.remove("bad")
+    assert "bad" not in processor
