@@ -118,6 +118,11 @@ def is_available() -> bool:
     return True
 
 
+def has_op(name: str) -> bool:
+    """Whether the extension builds and loads here and registers torch.ops.conveyor_cpu.<name>."""
+    return is_available() and hasattr(torch.ops.conveyor_cpu, name)
+
+
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:

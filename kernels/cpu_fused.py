@@ -12,11 +12,7 @@ from conveyor.kernels import cpu_ext
 
 def is_available() -> bool:
     """Whether the extension builds and loads here (the first call may compile it)."""
-    try:
-        cpu_ext.load()
-    except RuntimeError:
-        return False
-    return hasattr(torch.ops.conveyor_cpu, "rms_norm")
+    return cpu_ext.has_op("rms_norm")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

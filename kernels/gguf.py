@@ -19,11 +19,7 @@ TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 def is_available() -> bool:
     """Whether the CPU extension with the kernel builds and loads here."""
-    try:
-        cpu_ext.load()
-    except RuntimeError:
-        return False
-    return hasattr(torch.ops.conveyor_cpu, "gguf_linear")
+    return cpu_ext.has_op("gguf_linear")
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int:
@@ -51,8 +47,8 @@ def dequantize(weight: torch.Tensor, ggml_type: int, in_features: int) -> torch.
 
 
 def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, out_features: int) -> torch.Tensor:
-    """x float32 [..., K] @ dequantize(weight)^T -> float32 [..., out_features]; bias is the caller's."""
-    cpu_ext.load()  # registers the op; cached after the first call
+    """x float32 [..., K] @ dequantize(weight)^T -> float32 [..., out_features]; bias is the caller's.
+    The op must be registered: check is_available() first (it loads the extension)."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.ops.conveyor_cpu.gguf_linear(flat, weight, ggml_type, out_features)
     return out.view(*x.shape[:-1], out_features)

@@ -79,7 +79,7 @@ class InputBatch:
             query_lens.append(num)
             seq_lens.append(start + num)
             token_ids.extend(request.token_slice(start, start + num))
-            if start + num >= request.num_tokens:  # reaches the end of what is known: its logits are sampled
+            if chunk.samples:
                 sampling.append(i)
         rows_np = np.array(rows, dtype=np.int64)
         starts_np = np.array(starts, dtype=np.int64)

@@ -74,39 +74,32 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(held) - len(computed)
         # Cached blocks found by a prefix hit that sit in the free queue leave it when we take them.
-        num_taken_from_free = sum(1 for b in computed if b.ref_count == 0)
+        num_taken_from_free = sum(1 for b in computed if b.ref_count == 0) if computed else 0
         return num_new_blocks - (self.pool.num_free_blocks - num_taken_from_free)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
         """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed. Returns the
         request's block ids: a live list that later allocations extend (read it within the step)."""
-        table = self.block_tables.get(request.request_id)
-        if table is not None and not new_computed_blocks:  # a running request grows: the common case
-            num_new_blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-            ids = self._block_ids[request.request_id]
-            if num_new_blocks <= 0:
-                return ids
-            if num_new_blocks > self.pool.num_free_blocks:
-                return None
-            new_blocks = self.pool.allocate(num_new_blocks)
-            table.extend(new_blocks)
-            ids.extend(b.block_id for b in new_blocks)
-            return ids
         computed = new_computed_blocks or []
         if self._num_blocks_short(request, num_new_tokens, computed) > 0:
             return None
         table = self.block_tables.setdefault(request.request_id, [])
+        ids = self._block_ids.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
-            table.extend(computed)
+            self._extend(table, ids, computed)
             self._num_registered[request.request_id] = len(table)
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(table)
         if num_new_blocks > 0:
-            table.extend(self.pool.allocate(num_new_blocks))
-        ids = self._block_ids[request.request_id] = [b.block_id for b in table]
+            self._extend(table, ids, self.pool.allocate(num_new_blocks))
         return ids
+
+    @staticmethod
+    def _extend(table: list[KVBlock], ids: list[int], blocks: list[KVBlock]) -> None:
+        table.extend(blocks)
+        ids.extend(b.block_id for b in blocks)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks that became full with computed tokens, so later requests can share them."""

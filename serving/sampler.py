@@ -80,7 +80,8 @@ class Sampler:
             return self._inverse_cdf(torch.softmax(scaled, dim=-1), generators)
         tokens = torch.empty(len(params), dtype=torch.int64, device=device)
         if len(filtered) < len(params):
-            plain = [i for i in range(len(params)) if i not in set(filtered)]
+            filtered_set = set(filtered)
+            plain = [i for i in range(len(params)) if i not in filtered_set]
             rows = torch.tensor(plain, device=device)
             tokens[rows] = self._inverse_cdf(torch.softmax(scaled.index_select(0, rows), dim=-1),
                                               [generators[i] for i in plain])

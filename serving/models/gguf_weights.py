@@ -108,10 +108,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
             return self.dense(x)
-        # The op itself (registered when attach_gguf_weights checked the extension), so torch.compile sees it.
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.conveyor_cpu.gguf_linear(flat, self.blocks, self.ggml_type, self.out_features)
-        out = out.view(*x.shape[:-1], self.out_features)
+        out = gguf.gguf_linear(x, self.blocks, self.ggml_type, self.out_features)
         return out if self.bias is None else out + self.bias
 
 
