@@ -1,5 +1,6 @@
 """JIT build and Python wrappers of the CPU kernels in csrc/cpu/ (paged decode attention, KV-cache write;
-the fused norm and rope ops of cpu_fused.py and the GGUF-block linear of gguf.py register from the same library).
+the fused norm and rope ops of cpu_fused.py, the GGUF-block linear of gguf.py and the grammar bitmask of
+token_bitmask.py register from the same library).
 
 Built with torch.utils.cpp_extension.load into a per-machine cache dir (-march=native is safe there), the first
 time a process asks for it; later processes reuse the build unless the sources or flags change. Needs a C++
@@ -19,7 +20,8 @@ from types import ModuleType
 import torch
 
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
-SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "gguf_linear_cpu.cpp"]
+SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "gguf_linear_cpu.cpp",
+           _CSRC / "token_bitmask_cpu.cpp"]
 # torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
 _VEC_CAPABILITIES = ("AVX512", "AVX2")
 

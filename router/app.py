@@ -52,6 +52,7 @@ class ServeArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
     gguf_max_rows: int = Field(8, ge=0)  # CPU, GGUF model: steps this small read the quantized blocks; 0 off
+    grammar_compile_timeout_s: float = Field(30.0, gt=0)  # structured outputs: a slower compile fails its request
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -95,7 +96,7 @@ class ServeArgs(BaseModel):
                                       max_queue_wait_s=self.max_queue_wait_s,
                                       itl_slo_ms=self.itl_slo_ms),
             attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs,
-            gguf_max_rows=self.gguf_max_rows)
+            gguf_max_rows=self.gguf_max_rows, grammar_compile_timeout_s=self.grammar_compile_timeout_s)
 
     def ingress_settings(self) -> IngressSettings:
         name = self.served_model_name or self.model

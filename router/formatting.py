@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.router import tool_calls
 from conveyor.router.protocol import Usage, chat_body, completion_body
 
 
@@ -84,12 +85,20 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """/v1/chat/completions: an assistant message per choice, chat-style logprobs."""
+    """/v1/chat/completions: an assistant message per choice, chat-style logprobs. With tools (tool_mode other
+    than "none") the text goes through router/tool_calls.py: `message.tool_calls` and, streamed,
+    `delta.tool_calls`; finish_reason "tool_calls" when the answer made calls."""
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, tool_mode: str = "none", tool_names: tuple[str, ...] = (),
+                 named_tool: str | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.fingerprint: str | None = None  # the serving replica's id, so a client can tell replicas apart
+        self.tool_mode = tool_mode
+        self.tool_names = tool_names
+        self.named_tool = named_tool
+        self._streamers: dict[int, tool_calls.ToolCallStreamer] = {}
+        self._pending_logprobs: dict[int, list[dict[str, Any]]] = {}
 
     @staticmethod
     def logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -109,6 +118,8 @@ class ChatFormat:
                     "finish_reason": None}
             chunks.append(chat_body(self.request_id, self.model, [role], None, chunk=True,
                                     fingerprint=self.fingerprint))
+        if self.tool_mode != "none":
+            return chunks + self._tool_chunks(state, record)
         choice = {"index": state.index, "delta": {"content": record["text"]},
                   "logprobs": self.logprobs(record.get("logprobs")),
                   "finish_reason": record.get("finish_reason")}
@@ -116,11 +127,57 @@ class ChatFormat:
                                   fingerprint=self.fingerprint))
         return chunks
 
+    def _streamer(self, index: int) -> tool_calls.ToolCallStreamer:
+        streamer = self._streamers.get(index)
+        if streamer is None:
+            streamer = self._streamers[index] = tool_calls.ToolCallStreamer(
+                self.tool_mode, self.tool_names, self.named_tool)
+        return streamer
+
+    def _tool_chunks(self, state: ChoiceState, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """Deltas from the tool-call parser; logprobs ride on the next delta sent (text may be held back)."""
+        streamer = self._streamer(state.index)
+        deltas = streamer.feed(record["text"])
+        finish_reason = record.get("finish_reason")
+        if finish_reason is not None:
+            deltas += streamer.finish()
+            finish_reason = tool_calls.finish_reason_for([None] * streamer.calls, finish_reason)
+            deltas = deltas or [{}]  # the finish reason needs a chunk of its own
+        self._pending_logprobs.setdefault(state.index, []).extend(record.get("logprobs") or [])
+        chunks = []
+        for i, delta in enumerate(deltas):
+            pending = self._pending_logprobs.pop(state.index, None) if i == 0 else None
+            last = i == len(deltas) - 1
+            choice = {"index": state.index, "delta": delta,
+                      "logprobs": self.logprobs(pending) if pending else None,
+                      "finish_reason": finish_reason if last else None}
+            chunks.append(chat_body(self.request_id, self.model, [choice], None, chunk=True,
+                                    fingerprint=self.fingerprint))
+        return chunks
+
+    def message(self, state: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        text = "".join(state.text)
+        if self.tool_mode == "none":
+            return {"role": "assistant", "content": text}, state.finish_reason
+        if self.tool_mode == "auto":
+            content, calls = tool_calls.parse_auto(text, self.tool_names)
+        elif self.tool_mode == "required":
+            content, calls = None, tool_calls.parse_required(text)
+        else:
+            content, calls = None, tool_calls.parse_named(self.named_tool or "", text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, tool_calls.finish_reason_for(calls, state.finish_reason or "stop")
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return chat_body(self.request_id, self.model, [], usage, chunk=True, fingerprint=self.fingerprint)
 
     def body(self, states: list[ChoiceState]) -> dict[str, Any]:
-        choices = [{"index": s.index, "message": {"role": "assistant", "content": "".join(s.text)},
-                    "logprobs": self.logprobs(s.logprobs), "finish_reason": s.finish_reason} for s in states]
+        choices = []
+        for s in states:
+            message, finish_reason = self.message(s)
+            choices.append({"index": s.index, "message": message, "logprobs": self.logprobs(s.logprobs),
+                            "finish_reason": finish_reason})
         return chat_body(self.request_id, self.model, choices, usage_of(states), chunk=False,
                          fingerprint=self.fingerprint)

@@ -138,7 +138,8 @@ class Ingress:
                     make_request(None, req.to_sampling_params(k), new_id("chatcmpl"), messages=messages,
                                  stream=req.stream))
                    for k in range(req.n)]
-        fmt = ChatFormat(new_id("chatcmpl"), model)
+        fmt = ChatFormat(new_id("chatcmpl"), model, req.tool_mode,
+                         tuple(t.function.name for t in req.tools or ()), req.named_tool)
         return await self._serve(choices, fmt, req.stream, req.include_usage)
 
     # ---- request checks ----------------------------------------------------------------------------

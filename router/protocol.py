@@ -10,9 +10,12 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from conveyor.serving.request import SamplingParams
+from conveyor.router import tool_calls
+from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
+from conveyor.router.tool_calls import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
+from conveyor.serving.request import SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
@@ -57,6 +60,18 @@ class _SamplingRequest(_Lenient):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
+    _structured: StructuredOutputsParams | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_structured(self) -> _SamplingRequest:
+        if self.response_format is not None and self.structured_outputs is not None:
+            if self.response_format.params is not None:
+                raise ValueError("give either response_format or structured_outputs, not both")
+        given = self.structured_outputs or self.response_format
+        self._structured = given.params if given is not None else None
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -79,7 +94,7 @@ class _SamplingRequest(_Lenient):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=seed, stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured=self._structured)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -123,6 +138,8 @@ class TextPart(_Lenient):
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -143,6 +160,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: ToolChoice | None = None  # after tools and parallel_tool_calls: its check reads them
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -150,13 +170,68 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
+    @field_validator("tools")
+    @classmethod
+    def _check_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        tool_calls.check_tools(tools, None)
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        """Field-level (so the 400 names tool_choice): its tools exist, and a forced call's grammar compiles."""
+        tools = info.data.get("tools")
+        tool_calls.check_tools(tools, choice)
+        schema = _tool_schema(tools, choice, info.data.get("parallel_tool_calls", True))
+        if schema is not None:
+            if info.data.get("response_format") is not None or info.data.get("structured_outputs") is not None:
+                raise ValueError("tool_choice 'required' or a named function cannot be combined with "
+                                 "response_format or structured_outputs")
+            try:
+                checked(StructuredOutputsParams("json", canonical_json(schema)))
+            except ValueError as exc:
+                raise ValueError(f"a tool's parameters schema is not usable: {exc}") from None
+        return choice
+
+    @model_validator(mode="after")
+    def _constrain_tool_calls(self) -> ChatCompletionRequest:
+        schema = _tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if schema is not None:  # validated by _check_tool_choice
+            self._structured = StructuredOutputsParams("json", canonical_json(schema))
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (plain text), "auto" (text, or calls the parser finds), "required" or "named" (constrained)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
     def conversation(self) -> list[dict[str, str]]:
+        if self.tools or any(m.tool_calls or m.role == "tool" for m in self.messages):
+            dumped = [m.model_dump(exclude_none=True) for m in self.messages]
+            return tool_calls.render_messages(dumped, self.tools, self.tool_choice)
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def to_sampling_params(self, index: int = 0) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, index)
+
+
+def _tool_schema(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool) -> dict[str, Any] | None:
+    """The JSON schema a forced tool call is constrained to; None when the model answers freely."""
+    if not tools or choice is None or choice in ("none", "auto"):
+        return None
+    if choice == "required":
+        return tool_calls.required_schema(tools, parallel)
+    return tool_calls.named_schema(next(t for t in tools if t.function.name == choice.function.name))
 
 
 # ---- responses ---------------------------------------------------------------------------------------

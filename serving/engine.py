@@ -9,6 +9,7 @@ import uuid
 import torch
 
 from conveyor.kernels import ops
+from conveyor.serving import grammar
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
@@ -24,6 +25,8 @@ from conveyor.serving.scheduler import Scheduler
 from conveyor.serving.static_scheduler import StaticScheduler
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005  # an engine with only compiling requests sleeps this long per step, not spin
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -75,6 +78,7 @@ class LLMEngine:
                                   cuda_graphs="capture" if config.enable_cuda_graphs else "off")
         self.eos_token_id = self.tokenizer.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
         logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
                     config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
                     num_blocks * block_size)
@@ -101,8 +105,9 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:
-        """Tokenize and validate; raises ValueError for input the engine can never serve."""
+                     request_id: str | None = None, *, validate_grammar: bool = True) -> Request:
+        """Tokenize and validate; raises ValueError for input the engine can never serve. validate_grammar=False:
+        the caller checked params.structured already (a large grammar takes tens of ms to check)."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -121,6 +126,8 @@ class LLMEngine:
         if cdiv(num_prompt + max_tokens, self.kv_cache.block_size) > self.kv_cache.num_blocks:
             raise ValueError(f"prompt + max_tokens ({num_prompt + max_tokens} tokens) can never fit this "
                              f"replica's KV cache of {capacity} tokens")
+        if params.structured is not None and validate_grammar:
+            grammar.validate(params.structured)
         return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_id=self.eos_token_id,
                        max_tokens=max_tokens)
 
@@ -128,8 +135,17 @@ class LLMEngine:
         """Queue a request made by make_request; raises QueueFullError past the waiting bound."""
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        structured = request.sampling_params.structured
+        if structured is not None and request.grammar is None:
+            request.grammar = self.grammar_compiler().submit(structured)
         self.scheduler.add_request(request)
         self.output_processor.add(request.request_id, request.prompt_token_ids, request.sampling_params)
+
+    def grammar_compiler(self) -> grammar.GrammarCompiler:
+        if self.grammars is None:
+            self.grammars = grammar.GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
+                                                    timeout_s=self.config.grammar_compile_timeout_s)
+        return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -154,6 +170,8 @@ class LLMEngine:
         start = time.perf_counter()
         queries, hits = self.kv_cache.num_prefix_queries, self.kv_cache.num_prefix_hits
         sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.preempted_ids:
+            self._wait_for_grammars()
         scheduled = time.perf_counter()
         runner_out = self.runner.execute(sched)
         executed = time.perf_counter()
@@ -163,6 +181,9 @@ class LLMEngine:
         now = time.monotonic()
         sampled = runner_out.sampled
         outputs = [self._core_output(request, sampled[request.request_id], now) for request in updated]
+        if self.scheduler.failed:
+            outputs += [self._core_output(request, None, now) for request in self.scheduler.failed]
+            self.scheduler.failed.clear()
         self.scheduler.observe_step(sched, time.perf_counter() - start)
         timings = runner_out.timings
         timings.schedule_s = scheduled - start
@@ -178,11 +199,19 @@ class LLMEngine:
             num_prefix_cache_hits=self.kv_cache.num_prefix_hits - hits)
         return outputs, stats
 
+    def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
+        """Nothing could be scheduled: if that is because grammars are compiling, wait a moment for one rather
+        than spin (the caller's loop steps again at once while requests are unfinished)."""
+        pending = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and r.grammar.matcher is None]
+        if pending:
+            pending[0].wait(timeout_s)
+
     @staticmethod
-    def _core_output(request: Request, sampled: SampledToken, now: float) -> CoreOutput:
+    def _core_output(request: Request, sampled: SampledToken | None, now: float) -> CoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
+        with_logprobs = sampled is not None and request.sampling_params.logprobs is not None
         return CoreOutput(
-            request.request_id, sampled.token_id, request.status.finish_reason,
-            sampled if request.sampling_params.logprobs is not None else None, len(request.prompt_token_ids),
+            request.request_id, None if sampled is None else sampled.token_id, request.status.finish_reason,
+            sampled if with_logprobs else None, len(request.prompt_token_ids),
             request.num_cached_tokens, request.arrival_time, request.first_scheduled_time, request.first_token_time)

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conveyor.serving import grammar
 from conveyor.serving.async_engine import EngineLoad, _Stream, post_all
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
@@ -132,6 +133,8 @@ class ProcessEngine:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_token_ids = self.tokenize(prompt)
+        if params.structured is not None:  # here, not in the child, whose loop is the step's (the library drops
+            await asyncio.to_thread(grammar.validate, params.structured)  # the GIL while it checks a grammar)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._processor.add(request_id, prompt_token_ids, params)

@@ -66,6 +66,7 @@ class ModelRunner:
         max_blocks = min(cdiv(max_model_len, block_size) if max_model_len else num_blocks, num_blocks)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, block_size)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammar_bitmask = None  # serving.grammar_bitmask.GrammarBitmask, at the first constrained row
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs != "off":
             assert max_model_len is not None
@@ -101,6 +102,7 @@ class ModelRunner:
         timings.forward_s = forward_end - start - timings.prepare_s
         if not sampling_chunks:
             return ModelRunnerOutput(timings=timings)
+        self._apply_grammars(logits, sampling_chunks)
         params = [c.request.sampling_params for c in sampling_chunks]
         generators = [self._generator_for(c.request.request_id, c.request.sampling_params.seed)
                       for c in sampling_chunks]
@@ -108,6 +110,16 @@ class ModelRunner:
         out = {c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)}
         timings.sample_s = time.perf_counter() - forward_end
         return ModelRunnerOutput(out, timings)
+
+    def _apply_grammars(self, logits: torch.Tensor, chunks: list) -> None:
+        rows = [i for i, c in enumerate(chunks) if c.request.grammar is not None]
+        if not rows:
+            return
+        if self.grammar_bitmask is None:
+            from conveyor.serving.grammar_bitmask import GrammarBitmask  # llguidance: only once a grammar runs
+
+            self.grammar_bitmask = GrammarBitmask(logits.shape[-1])
+        self.grammar_bitmask.apply(logits, rows, [chunks[i].request.grammar.matcher for i in rows])
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -25,7 +25,7 @@ class CoreOutput:
     token, length); sampled: the token with its logprobs, when the request asked for them."""
 
     request_id: str
-    token_id: int
+    token_id: int | None  # None: the core ended the request without a token (finish_reason "error")
     finish_reason: str | None
     sampled: SampledToken | None
     num_prompt_tokens: int
@@ -70,7 +70,8 @@ class OutputProcessor:
             detok = self._detokenizer(core.request_id)
             if detok is None:
                 continue
-            delta = detok.update([core.token_id])
+            new_ids = [] if core.token_id is None else [core.token_id]  # None: ended without a token (error)
+            delta = detok.update(new_ids) if new_ids else ""
             finish_reason = core.finish_reason
             if finish_reason is None and detok.stopped:
                 finish_reason = "stop"
@@ -79,7 +80,7 @@ class OutputProcessor:
                 delta += detok.flush()
                 del self._states[core.request_id]
             outputs.append(RequestOutput(
-                request_id=core.request_id, delta_text=delta, delta_token_ids=[core.token_id], text=detok.text,
+                request_id=core.request_id, delta_text=delta, delta_token_ids=new_ids, text=detok.text,
                 token_ids=detok.output_token_ids, num_prompt_tokens=core.num_prompt_tokens,
                 finished=finish_reason is not None, finish_reason=finish_reason,
                 delta_logprobs=None if core.sampled is None else [core.sampled],

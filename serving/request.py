@@ -4,8 +4,24 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_SAMPLING_TEMPERATURE = 1e-5
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (serving/grammar.py compiles it). `spec` is the JSON schema as JSON text
+    (kind "json"), the regex, the JSON list of choices (kind "choice"), the EBNF/Lark grammar, or "" (json_object).
+    Text, not dicts: the record stays hashable, and the text is the compiled-grammar cache's key."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +72,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request could not be served after admission (its grammar failed to compile)
 
     @property
     def finished(self) -> bool:
@@ -66,7 +84,7 @@ class RequestStatus(enum.Enum):
         return self._value_ if self._value_ in _FINISHED_VALUES else None
 
 
-_FINISHED_VALUES = frozenset({"stop", "length", "abort"})
+_FINISHED_VALUES = frozenset({"stop", "length", "abort", "error"})
 
 
 @dataclass(eq=False)
@@ -86,6 +104,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Structured outputs: a serving.grammar.RequestGrammar (compiled off the step, then one matcher per request).
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

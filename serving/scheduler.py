@@ -33,6 +33,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        # Requests that ended without a token (a grammar that failed to compile): the engine reports them.
+        self.failed: list[Request] = []
         self.num_preemptions_total = 0
         self._num_waiting_tokens = 0
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
@@ -202,9 +204,18 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
+        compiling: list[Request] = []  # structured outputs whose grammar is not ready: they keep their place
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self._batch_has_room()):
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.poll():
+                self._pop_waiting()
+                if request.grammar.failed:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    self.failed.append(request)
+                else:
+                    compiling.append(request)
+                continue
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -215,8 +226,7 @@ class Scheduler:
             block_ids = self.kv_cache.allocate_slots(request, num_new, computed)
             if block_ids is None:
                 break
-            self.waiting.popleft()
-            self._num_waiting_tokens -= request.num_tokens
+            self._pop_waiting()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -225,7 +235,13 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
             budget -= num_new
+        for request in reversed(compiling):
+            self.waiting.appendleft(request)
+            self._num_waiting_tokens += request.num_tokens
         return budget
+
+    def _pop_waiting(self) -> None:
+        self._num_waiting_tokens -= self.waiting.popleft().num_tokens
 
     def _fits_for_admission(self, request: Request, num_new: int, computed: list) -> bool:
         needed = cdiv(request.num_computed_tokens + num_new, self.kv_cache.block_size) - len(computed)
@@ -247,6 +263,11 @@ class Scheduler:
             if sampled is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.output_token_ids.append(sampled.token_id)
+            if request.grammar is not None and not request.grammar.accept(sampled.token_id):
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                updated.append(request)
+                continue
             updated.append(request)
             status = self._stop_status(request, sampled.token_id)
             if status is not None:
@@ -260,6 +281,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

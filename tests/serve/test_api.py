@@ -112,6 +112,19 @@ BAD_INPUTS = {
     "n_too_large": ({**OK, "n": 100}, 400, "invalid_value"),
     "too_many_stops": ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     "body_10mb": (b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, "request_too_large"),
+    # Structured outputs: refused at the ingress, never answered in free text.
+    "schema_invalid": ({**OK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "invalid_value"),
+    "schema_unsupported_keyword": ({**OK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "invalid_value"),
+    "schema_without_name": ({**OK, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, 400, "invalid_value"),
+    "response_format_unknown": ({**OK, "response_format": {"type": "xml"}}, 400, "invalid_value"),
+    "regex_does_not_compile": ({**OK, "structured_outputs": {"regex": "(abc"}}, 400, "invalid_value"),
+    "two_constraints": ({**OK, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "invalid_value"),
+    "both_constraint_fields": ({**OK, "structured_outputs": {"regex": "a+"},
+                                "response_format": {"type": "json_object"}}, 400, "invalid_value"),
+    "grammar_undefined_rule": ({**OK, "structured_outputs": {"grammar": "root ::= answer"}}, 400, "invalid_value"),
 }
 
 
@@ -138,7 +151,9 @@ def test_chat_bad_inputs_and_server_keeps_serving(base_url: str, client: OpenAI)
                  {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
                  {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50,
                   "logprobs": True},
-                 {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}]
+                 {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                 *[{"model": MODEL, "messages": [{"role": "user", "content": "x"}], **tools}
+                   for tools in BAD_TOOLS]]
     for body in bad_chats:
         resp = _post(base_url, "/v1/chat/completions", body)
         assert resp.status_code == 400 and resp.json()["error"]["param"], resp.text
@@ -147,6 +162,35 @@ def test_chat_bad_inputs_and_server_keeps_serving(base_url: str, client: OpenAI)
     assert out.choices[0].text is not None
     state = engine_state(APP)
     assert state["num_block_tables"] == 0 and state["num_running"] == 0
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "get_temperature", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+BAD_TOOLS = [
+    {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+    {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+    {"tools": [UNIT_TOOL, UNIT_TOOL]},
+    {"tools": [UNIT_TOOL], "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+    {"tool_choice": "required"},
+    {"tools": [UNIT_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+     "tool_choice": "required"},
+]
+
+
+def test_structured_outputs_through_the_api(client: OpenAI) -> None:
+    """The tiny model writes noise; only the constraint makes these answers what was asked for."""
+    choices = ["red", "green", "blue"]
+    extra = {"structured_outputs": {"choice": choices}}
+    out = client.completions.create(model=MODEL, prompt="a colour:", max_tokens=8, extra_body=extra, n=2, seed=1)
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    chat = [{"role": "user", "content": "a colour?"}]
+    streamed = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, stream=True,
+                                              extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in choices
+    fmt = {"type": "json_schema", "json_schema": {"name": "unit", "schema": UNIT_TOOL["function"]["parameters"]}}
+    answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=48, response_format=fmt)
+    assert json.loads(answer.choices[0].message.content)["unit"] in ("celsius", "fahrenheit")
 
 
 def test_first_chunk_is_not_buffered(base_url: str) -> None:
