@@ -34,7 +34,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_blocks = [0] * max_num_seqs  # blocks held per row: a list, numpy scalars are slow to read
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -66,13 +66,15 @@ class InputBatch:
         """More live requests than rows (a scheduler that runs past max_num_seqs): double rather than fail."""
         old = self.block_table.shape[0]
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+        self.num_blocks += [0] * old
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepArrays:
         rows, starts, query_lens, seq_lens, token_ids, sampling = [], [], [], [], [], []
+        max_blocks = 0
         for i, chunk in enumerate(chunks):
             rows.append(self._row_for(chunk))
+            max_blocks = max(max_blocks, len(chunk.block_ids))
             start, num = chunk.start, chunk.num_tokens
             request = chunk.request
             starts.append(start)
@@ -94,7 +96,6 @@ class InputBatch:
             positions = starts_np[seq_index] + (np.arange(num_tokens) - query_start_loc[:-1][seq_index])
             token_rows = rows_np[seq_index]
         block_of_token = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        max_blocks = int(self.num_blocks[rows_np].max())
         return StepArrays(
             token_ids=np.array(token_ids, dtype=np.int64), positions=positions,
             slot_mapping=block_of_token * self.block_size + positions % self.block_size,

@@ -81,6 +81,10 @@ class KVCacheManager:
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
         """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed. Returns the
         request's block ids: a live list that later allocations extend (read it within the step)."""
+        if not new_computed_blocks:  # a decode within its last block (block_size - 1 steps in block_size)
+            ids = self._block_ids.get(request.request_id)
+            if ids is not None and request.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
+                return ids
         computed = new_computed_blocks or []
         if self._num_blocks_short(request, num_new_tokens, computed) > 0:
             return None
@@ -105,11 +109,13 @@ class KVCacheManager:
         """Register the blocks that became full with computed tokens, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_registered.get(request.request_id, 0)
+        if request.num_computed_tokens // self.block_size <= start:  # no block filled up since the last call
+            return
         table = self.block_tables.get(request.request_id)
         if not table:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

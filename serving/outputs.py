@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from conveyor.serving.request import Request
@@ -15,19 +16,19 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
+    # Set at scheduling (read several times per chunk per step, before the step's tokens are appended):
+    # a token is sampled only when the chunk reaches the request's last known token.
+    samples: bool = field(init=False)
+    is_prefill: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        end, num_tokens = self.start + self.num_tokens, self.request.num_tokens
+        self.samples = end == num_tokens
+        self.is_prefill = end < num_tokens or self.start < len(self.request.prompt_token_ids)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """A token is sampled only when the chunk reaches the request's last known token."""
-        return self.end == self.request.num_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.end < self.request.num_tokens or self.start < self.request.num_prompt_tokens
 
 
 @dataclass
@@ -37,11 +38,12 @@ class SchedulerOutput:
     # Requests that ended since the last step: the runner drops their per-request state (seeded generators).
     finished_ids: list[str] = field(default_factory=list)
 
-    @property
+    # Cached: read several times per step, and `chunks` is complete once the scheduler returns the output.
+    @functools.cached_property
     def num_scheduled_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    @property
+    @functools.cached_property
     def num_kv_reads(self) -> int:
         """Key/value rows the step's attention reads: each token attends over its causal prefix, so a chunk of
         q tokens ending at e reads q * e - q * (q - 1) / 2 (a decode reads its context once)."""
