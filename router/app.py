@@ -53,6 +53,12 @@ class ServeArgs(BaseModel):
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
     gguf_max_rows: int = Field(8, ge=0)  # CPU, GGUF model: steps this small read the quantized blocks; 0 off
     grammar_compile_timeout_s: float = Field(30.0, gt=0)  # structured outputs: a slower compile fails its request
+    # health: a replica whose engine has work but completed no step for this long fails its health check (Serve
+    # replaces it after 3 failed checks, health_check_period_s apart)
+    engine_stall_timeout_s: float = Field(120.0, gt=0)
+    health_check_period_s: float = Field(5.0, gt=0)
+    ready_timeout_s: float = Field(2.0, gt=0)  # /ready: how long to wait for an engine replica to answer
+    test_hooks: bool = False  # drills only: lets a test stall a replica's engine loop
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -103,7 +109,8 @@ class ServeArgs(BaseModel):
         aliases = [self.model] if name != self.model else []
         return IngressSettings(model_name=name, model_aliases=aliases, api_key=self.api_key,
                                max_body_bytes=self.max_body_bytes,
-                               replica_wait_timeout_s=self.replica_wait_timeout_s)
+                               replica_wait_timeout_s=self.replica_wait_timeout_s,
+                               ready_timeout_s=self.ready_timeout_s)
 
     def replica_options(self) -> dict[str, Any]:
         # The engine's waiting queue is the admission bound (it answers 429); Serve must not cap or queue
@@ -112,6 +119,7 @@ class ServeArgs(BaseModel):
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "max_ongoing_requests": self.max_num_seqs + self.max_waiting_requests + 8,
             "request_router_config": self.router_config(),
+            "health_check_period_s": self.health_check_period_s,
         }
         if self.autoscaling is not None:
             name = self.served_model_name or self.model
@@ -145,7 +153,8 @@ def build_app(args: dict[str, Any] | ServeArgs | None = None) -> serve.Applicati
     cfg = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args or {})
     engine = EngineReplica.options(**cfg.replica_options()).bind(
         cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model,
-        engine_process=cfg.engine_process)
+        engine_process=cfg.engine_process, engine_stall_timeout_s=cfg.engine_stall_timeout_s,
+        test_hooks=cfg.test_hooks)
     ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,
                               ray_actor_options={"num_cpus": 0})  # I/O only: never take an engine's CPU
     return ingress.bind(engine, cfg.ingress_settings())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,21 @@ from conveyor.router.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger("ray.serve")
 
 
+_rejection_counter: Callable[[str], None] | None = None
+
+
+def count_rejections_with(counter: Callable[[str], None] | None) -> None:
+    """The ingress's counter of its own refusals (reason: the error code), so 401/400/404/413/5xx answered at
+    the ingress appear next to the engines' 429s and 400s (conveyor_requests_rejected_total)."""
+    global _rejection_counter
+    _rejection_counter = counter
+
+
+def _count_rejection(reason: str) -> None:
+    if _rejection_counter is not None:
+        _rejection_counter(reason)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
                  param: str | None = None, code: str | None = None,
@@ -22,10 +38,17 @@ class ApiError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers or {}
+        self.counted = False  # True when an engine replica refused the request and counted it already
 
     def response(self) -> JSONResponse:
+        if not self.counted:
+            _count_rejection(self.info.code or str(self.status))
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
                             headers=self.headers)
+
+    def from_replica(self) -> ApiError:
+        self.counted = True
+        return self
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -45,6 +45,7 @@ class IngressSettings(BaseModel):
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     replica_wait_timeout_s: float = 30.0
+    ready_timeout_s: float = 2.0
 
 
 # serve.ingress pickles the app and this class when the decorator runs, with the module globals that exist
@@ -87,11 +88,29 @@ class Ingress:
         self._metrics_registry = get_registry()
         self._metrics_endpoint = start_replica_endpoint("ingress", settings.model_name)
         self._fleet_gauges = FleetGauges(settings.model_name, self._app_name)
+        from conveyor.router.errors import count_rejections_with
+        from conveyor.serving.metrics import REQUESTS_REJECTED
+
+        rejected = REQUESTS_REJECTED.labels  # replica label "ingress-<id>": refusals that never reached an engine
+        ingress_label = "ingress-" + serve.get_replica_context().replica_id.unique_id
+        count_rejections_with(lambda reason: rejected(settings.model_name, ingress_label, reason).inc())
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
+        """Liveness: this ingress answers. Readiness (an engine can serve) is /ready."""
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness: 200 only while an engine replica with its model loaded answers (and is not wedged), so a
+        load balancer sends no traffic before the model is up; 503 otherwise."""
+        try:
+            info = await asyncio.wait_for(self.engine.ready.remote(), self.settings.ready_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no replica yet, all wedged, or gone: not ready, whatever the cause
+            reason = "no engine replica answered in time" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            return JSONResponse({"ready": False, "reason": reason[:500]}, status_code=503)
+        return JSONResponse({"ready": True, **info})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

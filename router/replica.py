@@ -68,7 +68,8 @@ class LatencyWindow:
 class EngineReplica:
     def __init__(self, engine_config: EngineConfig, torch_num_threads: int | None = None,
                  latency_window_s: float = 60.0, model_name: str | None = None,
-                 engine_process: bool = True) -> None:
+                 engine_process: bool = True, engine_stall_timeout_s: float = 120.0,
+                 test_hooks: bool = False) -> None:
         # torch and the model load here (or in the engine's child process), not when the driver imports us.
         from conveyor.serving.async_engine import AsyncEngine
         from conveyor.serving.engine_process import ProcessEngine
@@ -88,6 +89,11 @@ class EngineReplica:
 
         self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
         self.engine.add_step_listener(self.metrics.observe_step)
+        # Liveness of the engine itself: a step completed recently, or nothing to do (see check_health).
+        self._stall_timeout_s = engine_stall_timeout_s
+        self._last_progress = time.monotonic()
+        self.engine.add_step_listener(self._on_step)
+        self._test_hooks = test_hooks
         self.metrics.bind_load(self.engine.load)
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
 
@@ -180,8 +186,37 @@ class EngineReplica:
                 "itl_p99_s": self._itl.percentile(0.99)}
 
     def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; after 3 failures in a row it replaces the replica.
+        A dead engine process fails it, and so does a live one that has work but completed no step for
+        engine_stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it forever)."""
         if not self.engine.is_alive():
             raise RuntimeError("engine is not running")
+        stalled_s = self._stalled_s()
+        if stalled_s > self._stall_timeout_s:
+            raise RuntimeError(f"engine made no progress for {stalled_s:.0f} s with work queued "
+                               f"(engine_stall_timeout_s={self._stall_timeout_s:g})")
+
+    def _on_step(self, stats: Any, outputs: Any) -> None:
+        self._last_progress = time.monotonic()
+
+    def _stalled_s(self) -> float:
+        """Seconds since the engine last showed progress while it had work; 0 while idle."""
+        now = time.monotonic()
+        if not self.engine.has_work():
+            self._last_progress = now  # idle is progress: the clock starts when work is there
+            return 0.0
+        return now - self._last_progress
+
+    def ready(self) -> dict[str, Any]:
+        """The ingress's readiness probe: answered only once __init__ has loaded the model and built the engine
+        (Serve routes nothing to a replica before), refused while the engine is wedged."""
+        self.check_health()
+        return {"replica": self._replica_id, "model": self.metrics.model}
+
+    def stall_engine_for_test(self, seconds: float) -> None:
+        if not self._test_hooks:
+            raise RuntimeError("test hooks are off (ServeArgs.test_hooks)")
+        self.engine.stall_for_test(seconds)
 
     def engine_state(self) -> dict[str, int]:
         """Block accounting, for tests: a finished or aborted request must hold no blocks."""

@@ -68,11 +68,11 @@ def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:
     kind = record.get("error")
     if kind is None:
         return record
-    if kind == "queue_full":
+    if kind == "queue_full":  # the replica counted these (conveyor_requests_rejected_total)
         raise ApiError.too_many(f"server is at capacity: {record['message']}",
-                                record.get("retry_after_s", 1.0))
+                                record.get("retry_after_s", 1.0)).from_replica()
     if kind == "invalid_request":
-        raise ApiError.invalid(record["message"], param="prompt", code="invalid_prompt")
+        raise ApiError.invalid(record["message"], param="prompt", code="invalid_prompt").from_replica()
     raise ApiError.server(record.get("message", "replica error"))
 
 

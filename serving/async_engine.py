@@ -169,6 +169,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request.request_id))
 
+    def has_work(self) -> bool:
+        """Requests in flight (streams not yet finished)."""
+        return bool(self._streams)
+
     def is_alive(self) -> bool:
         """False once the engine thread has stopped (shutdown or crash): a health check reads this."""
         return self._thread.is_alive()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -139,6 +140,9 @@ class _Core:
             self.engine.abort_requests([message[1]])
         elif kind == "query":
             self.conn.send(("reply", message[1], self._answer(message[2])))
+        elif kind == "stall":  # a test hook (drills): the step loop stops for this long, as a wedged engine
+            logger.warning("engine loop stalled for %.1f s on request (test hook)", message[1])
+            time.sleep(message[1])
 
     def _add(self, request_id: str, prompt: Any, params: Any) -> None:
         self.num_adds_applied += 1

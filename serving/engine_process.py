@@ -151,6 +151,14 @@ class ProcessEngine:
             if not finished:
                 self.abort(request_id)
 
+    def has_work(self) -> bool:
+        """Requests in flight, as this process sees them: the child's own reports stop when it is wedged."""
+        return bool(self._streams)
+
+    def stall_for_test(self, seconds: float) -> None:
+        """Test hook (drills): the engine process stops stepping for `seconds`, as a wedged engine would."""
+        self._send(("stall", float(seconds)))
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))

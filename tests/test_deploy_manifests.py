@@ -75,6 +75,17 @@ def test_ports_line_up(service: dict[str, Any], serve_config: dict[str, Any]) ->
     assert {"gcs-server", "dashboard", "client"} <= set(head)
 
 
+def test_probes_use_readiness_and_the_nodes_own_proxy(service: dict[str, Any],
+                                                        serve_config: dict[str, Any]) -> None:
+    """Readiness is the ingress's /ready (an engine replica is loaded and not wedged); liveness is the node's own
+    Serve proxy, so one node's pod is never restarted because an engine elsewhere is down."""
+    http_port = serve_config["http_options"]["port"]
+    for group in groups(service):
+        container = ray_container(group)
+        assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": http_port}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/-/healthz", "port": http_port}
+
+
 def test_podmonitor_selects_every_ray_pod(service: dict[str, Any]) -> None:
     spec = load("podmonitor.yaml")["spec"]
     wanted = dict(spec["selector"]["matchLabels"])

@@ -69,6 +69,9 @@ def test_no_replica_ready_gets_503(serve_cluster: str, tiny_model_dir) -> None:
         resp = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert resp.status_code == 503, resp.text
         assert resp.headers["Retry-After"] and resp.json()["error"]["code"] == "no_replica"
+        # Liveness says the ingress is up; readiness says no engine can serve: a load balancer sends nothing.
+        ready = httpx.get(url + "/ready", timeout=30)
+        assert ready.status_code == 503 and ready.json()["ready"] is False, ready.text
 
 
 def _status(url: str) -> int:

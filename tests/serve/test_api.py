@@ -137,6 +137,19 @@ def test_bad_input_gets_openai_error(base_url: str, case: str) -> None:
     assert error["code"] == code and error["message"] and "type" in error
 
 
+def test_ingress_refusals_are_counted_by_reason(base_url: str) -> None:
+    """What the ingress refuses itself (never reaching an engine) is counted with the engines' refusals."""
+    for body in (b'{"prompt": "hi", ', {**OK, "model": "gpt-7"}, {**OK, "temperature": -1}):
+        assert _post(base_url, "/v1/completions", body).status_code == 400
+    metrics = httpx.get(base_url + "/metrics", timeout=30).text
+    counted = {}
+    for line in metrics.splitlines():
+        if line.startswith("conveyor_requests_rejected_total{") and 'replica="ingress-' in line:
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            counted[reason] = float(line.rsplit(" ", 1)[1])
+    assert all(counted.get(r, 0) >= 1 for r in ("invalid_json", "model_not_found", "invalid_value")), counted
+
+
 def test_chunked_body_over_the_limit_gets_413(base_url: str) -> None:
     # No Content-Length: the ingress must count the bytes as they stream in.
     chunks = iter([b'{"prompt": "'] + [b"a" * (256 << 10)] * 8 + [b'"}'])
