@@ -142,7 +142,8 @@ class Ingress:
         n = req.n
         # Choice k of prompt j is index j * n + k; its prompt tokens count once in usage, not n times.
         choices = [(ChoiceState(j * n + k, counts_prompt=k == 0),
-                    make_request(p, req.to_sampling_params(k), new_id("cmpl"), stream=req.stream))
+                    make_request(p, req.to_sampling_params(k), new_id("cmpl"), stream=req.stream,
+                                 unset=req.unset_sampling_fields()))
                    for j, p in enumerate(req.prompts()) for k in range(n)]
         fmt = CompletionFormat(new_id("cmpl"), model)
         return await self._serve(choices, fmt, req.stream, req.include_usage)
@@ -155,7 +156,7 @@ class Ingress:
         messages = req.conversation()
         choices = [(ChoiceState(k, counts_prompt=k == 0),
                     make_request(None, req.to_sampling_params(k), new_id("chatcmpl"), messages=messages,
-                                 stream=req.stream))
+                                 stream=req.stream, unset=req.unset_sampling_fields()))
                    for k in range(req.n)]
         fmt = ChatFormat(new_id("chatcmpl"), model, req.tool_mode,
                          tuple(t.function.name for t in req.tools or ()), req.named_tool)

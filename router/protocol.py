@@ -83,6 +83,10 @@ class _SamplingRequest(_Lenient):
             raise ValueError("stop sequences must be non-empty")
         return [_check_text(s) for s in stops]
 
+    def unset_sampling_fields(self) -> list[str]:
+        """Sampling settings the client left out: the replica fills them from the model's generation config."""
+        return [f for f in ("temperature", "top_p", "top_k", "min_p") if f not in self.model_fields_set]
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

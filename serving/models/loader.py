@@ -1,6 +1,7 @@
 """Model name -> local HF safetensors dir -> our LlamaForCausalLM with weights, config and tokenizer."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.llama import LlamaForCausalLM
+from conveyor.serving.request import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -47,6 +49,27 @@ def resolve_model_path(model: str) -> Path:
                          f"tokenizer files ({', '.join(_TOKENIZER_FILES)})")
     raise ValueError(f"unknown model {model!r}: expected one of {SMOLLM2_ALIASES}, a local HF safetensors "
                      "dir, or a local .gguf file (hub ids are not supported: there is no hub access)")
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def generation_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling settings a model's generation_config.json recommends (temperature, top_p, top_k, min_p), for
+    requests that leave them unset; values SamplingParams would refuse are ignored."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    defaults = {k: config[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(config.get(k), int | float)}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError):
+        return {}
+    return defaults
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
