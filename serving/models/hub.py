@@ -174,8 +174,11 @@ def add_generation_defaults(model_dir: Path, defaults: dict[str, float]) -> None
     if not missing:
         return
     tmp = path.with_name(f".{GENERATION_CONFIG}.{os.getpid()}")
-    tmp.write_text(json.dumps(config | missing, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(config | missing, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:  # a read-only model cache (a baked image): serve without the defaults, say so
+        log(f"could not add sampling defaults to {path}: {exc}")
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
