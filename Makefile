@@ -11,7 +11,7 @@ generate: setup
 	.venv/bin/conveyor generate "$(PROMPT)"
 
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25
 
 lint: setup
 	.venv/bin/ruff check .

@@ -57,6 +57,9 @@ class ServeArgs(BaseModel):
     # replaces it after 3 failed checks, health_check_period_s apart)
     engine_stall_timeout_s: float = Field(120.0, gt=0)
     health_check_period_s: float = Field(5.0, gt=0)
+    # a replica being removed (scale-in, redeploy, replaced after failed health checks) finishes its streams for at
+    # most this long before Serve kills it (Serve's graceful_shutdown_timeout_s)
+    drain_timeout_s: float = Field(20.0, ge=0)
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: how long to wait for an engine replica to answer
     test_hooks: bool = False  # drills only: lets a test stall a replica's engine loop
     block_size: int = Field(16, ge=1)
@@ -120,6 +123,7 @@ class ServeArgs(BaseModel):
             "max_ongoing_requests": self.max_num_seqs + self.max_waiting_requests + 8,
             "request_router_config": self.router_config(),
             "health_check_period_s": self.health_check_period_s,
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
         }
         if self.autoscaling is not None:
             name = self.served_model_name or self.model

@@ -93,8 +93,8 @@ def test_smollm2_structured_outputs_validate_greedy_and_sampled(model_dir):
         spec = StructuredOutputsParams("json", json.dumps(case.schema))
         ask = [{"role": "user", "content": f"Give an example {case.name.replace('_', ' ')} as JSON."}]
         conversations += [ask, ask]
-        params += [SamplingParams(max_tokens=256, temperature=0.0, structured=spec),
-                   SamplingParams(max_tokens=256, temperature=0.7, top_p=0.9, seed=i, structured=spec)]
+        params += [SamplingParams(max_tokens=160, temperature=0.0, structured=spec),
+                   SamplingParams(max_tokens=160, temperature=0.7, top_p=0.9, seed=i, structured=spec)]
     results = llm.chat(conversations, params)
     for result, case in zip(results, [c for c in SCHEMA_CASES for _ in range(2)], strict=True):
         if result.finish_reason == "stop":

@@ -20,6 +20,7 @@ APP = "conveyor-drill-wedge"
 STALL_TIMEOUT_S = 3.0
 HEALTH_PERIOD_S = 1.0
 STALL_S = 600.0  # far beyond the test: only the replacement ends it
+DRAIN_S = 2.0  # a wedged engine finishes nothing: waiting Serve's default 20 s for it to drain only delays
 
 
 def running_replicas() -> int:
@@ -29,7 +30,7 @@ def running_replicas() -> int:
 def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model_dir) -> None:
     args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64, "max_num_seqs": 4,
             "torch_num_threads": 1, "engine_stall_timeout_s": STALL_TIMEOUT_S,
-            "health_check_period_s": HEALTH_PERIOD_S, "test_hooks": True}
+            "health_check_period_s": HEALTH_PERIOD_S, "drain_timeout_s": DRAIN_S, "test_hooks": True}
     url = serve_cluster + "/drill-wedge"
     with deploy(args, APP, "/drill-wedge"):
         ready = httpx.get(url + "/ready", timeout=30)
@@ -55,6 +56,7 @@ def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model
         assert out.status_code == 200, out.text
     write_artifact("wedged_engine", {
         "engine_stall_timeout_s": STALL_TIMEOUT_S, "health_check_period_s": HEALTH_PERIOD_S,
+        "drain_timeout_s": DRAIN_S,
         "stall_to_new_replica_running_s": round(replaced_at - stalled_at, 2),
         "stall_to_wedged_replica_gone_s": round(victim_gone_at - stalled_at, 2),
         "stall_to_serving_again_s": round(served_at - stalled_at, 2),

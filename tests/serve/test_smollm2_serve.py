@@ -80,11 +80,13 @@ def test_parse_with_a_pydantic_model(client: OpenAI) -> None:
         assert isinstance(person, Person) and out.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("case", SCHEMA_CASES[:4], ids=lambda c: c.name)
+# Short answers on the real model (tests/test_smollm2.py runs every test schema in process).
+@pytest.mark.parametrize("case", [c for c in SCHEMA_CASES if c.name in ("primitives", "enums", "any_of")],
+                         ids=lambda c: c.name)
 def test_json_schema_outputs_validate_streamed_and_not(client: OpenAI, case) -> None:
     messages = [{"role": "user", "content": f"Give an example {case.name.replace('_', ' ')} as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema, "strict": True}}
-    kwargs = dict(model="smollm2", messages=messages, max_tokens=200, temperature=0.0, response_format=fmt)
+    kwargs = dict(model="smollm2", messages=messages, max_tokens=120, temperature=0.0, response_format=fmt)
     plain = client.chat.completions.create(**kwargs).choices[0]
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
                        if c.choices)
