@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -128,7 +128,7 @@ class RequestGrammar:
         if not self._future.done():
             try:
                 self._future.exception(timeout=timeout_s)
-            except TimeoutError:
+            except (TimeoutError, CancelledError):  # still compiling, or the pool is shutting down: poll() says
                 pass
 
     def accept(self, token_id: int) -> bool:
