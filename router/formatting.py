@@ -141,7 +141,7 @@ class ChatFormat:
         finish_reason = record.get("finish_reason")
         if finish_reason is not None:
             deltas += streamer.finish()
-            finish_reason = tool_calls.finish_reason_for([None] * streamer.calls, finish_reason)
+            finish_reason = tool_calls.finish_reason_for(streamer.calls, finish_reason)
             deltas = deltas or [{}]  # the finish reason needs a chunk of its own
         self._pending_logprobs.setdefault(state.index, []).extend(record.get("logprobs") or [])
         chunks = []
@@ -168,7 +168,7 @@ class ChatFormat:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        return message, tool_calls.finish_reason_for(calls, state.finish_reason or "stop")
+        return message, tool_calls.finish_reason_for(len(calls), state.finish_reason or "stop")
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return chat_body(self.request_id, self.model, [], usage, chunk=True, fingerprint=self.fingerprint)

@@ -399,6 +399,6 @@ def parse_auto(text: str, tool_names: Iterable[str]) -> tuple[str | None, list[d
     return _parse(ToolCallStreamer("auto", tool_names), text)
 
 
-def finish_reason_for(calls: list[dict[str, Any]], finish_reason: str = "stop") -> str:
+def finish_reason_for(num_calls: int, finish_reason: str = "stop") -> str:
     """"tool_calls" when the output made calls; a cut-short output stays "length" so clients can tell."""
-    return "tool_calls" if calls and finish_reason != "length" else finish_reason
+    return "tool_calls" if num_calls and finish_reason != "length" else finish_reason

@@ -181,9 +181,7 @@ class LLMEngine:
         now = time.monotonic()
         sampled = runner_out.sampled
         outputs = [self._core_output(request, sampled[request.request_id], now) for request in updated]
-        if self.scheduler.failed:
-            outputs += [self._core_output(request, None, now) for request in self.scheduler.failed]
-            self.scheduler.failed.clear()
+        outputs += [self._core_output(request, None, now) for request in sched.failed]
         self.scheduler.observe_step(sched, time.perf_counter() - start)
         timings = runner_out.timings
         timings.schedule_s = scheduled - start
@@ -202,7 +200,7 @@ class LLMEngine:
     def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:
         """Nothing could be scheduled: if that is because grammars are compiling, wait a moment for one rather
         than spin (the caller's loop steps again at once while requests are unfinished)."""
-        pending = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and r.grammar.matcher is None]
+        pending = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and r.grammar.compiling]
         if pending:
             pending[0].wait(timeout_s)
 

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar larger than this is refused at validation
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 MAX_CACHED_GRAMMARS = 256
+MAX_COMPILE_TIMES = 4096
 COMPILE_THREAD_NICE = int(os.environ.get("CONVEYOR_GRAMMAR_NICE", "10"))
 # Fixed separators, no free whitespace between JSON tokens: a small model offered free whitespace can spend its
 # whole max_tokens on newlines (a known failure of flexible-whitespace JSON grammars); json.dumps' own layout.
@@ -124,6 +125,11 @@ class RequestGrammar:
     def failed(self) -> bool:
         return self.error is not None
 
+    @property
+    def compiling(self) -> bool:
+        """Not yet polled ready or failed (a cheap attribute check: poll() is what moves it on)."""
+        return self.matcher is None and self.error is None
+
     def wait(self, timeout_s: float) -> None:
         if not self._future.done():
             try:
@@ -155,7 +161,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
-        self.compile_times_s: list[float] = []
+        self.compile_times_s: deque[float] = deque(maxlen=MAX_COMPILE_TIMES)  # recent cold compiles
 
     def submit(self, params: StructuredOutputsParams) -> RequestGrammar:
         return RequestGrammar(self._pool.submit(self._matcher, params), self.timeout_s)
@@ -178,10 +184,6 @@ class GrammarCompiler:
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
         return template.deep_copy()
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def _yield_to_the_step(niceness: int = COMPILE_THREAD_NICE) -> None:
     """Run compiles at the lowest CPU priority (Linux niceness is per thread; raising it needs no privilege).

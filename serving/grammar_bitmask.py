@@ -12,14 +12,11 @@ from typing import Any
 import llguidance
 import torch
 
-from conveyor.kernels.token_bitmask import apply_token_bitmask
-
-BITS = 32
+from conveyor.kernels.token_bitmask import BITS, apply_token_bitmask
 
 
 class GrammarBitmask:
     def __init__(self, vocab_size: int, max_rows: int = 64) -> None:
-        self.vocab_size = vocab_size
         self._words = (vocab_size + BITS - 1) // BITS
         self._bitmask = torch.full((max_rows, self._words), -1, dtype=torch.int32)
         self._executor = llguidance.LLExecutor()

@@ -74,7 +74,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(held) - len(computed)
         # Cached blocks found by a prefix hit that sit in the free queue leave it when we take them.
-        num_taken_from_free = sum(1 for b in computed if b.ref_count == 0) if computed else 0
+        num_taken_from_free = sum(1 for b in computed if b.ref_count == 0)
         return num_new_blocks - (self.pool.num_free_blocks - num_taken_from_free)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

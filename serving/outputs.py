@@ -37,6 +37,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests that ended since the last step: the runner drops their per-request state (seeded generators).
     finished_ids: list[str] = field(default_factory=list)
+    # Requests this schedule ended without a token (a grammar that failed to compile): the engine reports them.
+    failed: list[Request] = field(default_factory=list)
 
     # Cached: read several times per step, and `chunks` is complete once the scheduler returns the output.
     @functools.cached_property

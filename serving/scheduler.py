@@ -33,8 +33,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
-        # Requests that ended without a token (a grammar that failed to compile): the engine reports them.
-        self.failed: list[Request] = []
         self.num_preemptions_total = 0
         self._num_waiting_tokens = 0
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
@@ -122,7 +120,9 @@ class Scheduler:
             scheduled[request.request_id] = chunk
             budget -= num_new
         if not out.preempted_ids:
+            held = self._hold_back_compiling(out)
             budget = self._admit_waiting(budget, scheduled)
+            self.waiting.extendleft(reversed(held))
         out.chunks = list(scheduled.values())
         return out
 
@@ -203,19 +203,29 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
 
+    def _hold_back_compiling(self, out: SchedulerOutput) -> list[Request]:
+        """Structured-output requests whose grammar is still compiling sit out admission, whichever scheduler
+        admits (schedule() puts them back at the head of the queue after it); one whose compile failed or timed
+        out ends here, finish reason "error", without a token."""
+        if not any(r.grammar is not None and r.grammar.compiling for r in self.waiting):
+            return []  # the common case: one pass, nothing compiling
+        held, kept = [], deque()
+        for request in self.waiting:
+            if request.grammar is None or request.grammar.poll():
+                kept.append(request)
+            elif request.grammar.failed:
+                self._num_waiting_tokens -= request.num_tokens
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                out.failed.append(request)
+            else:
+                held.append(request)  # still counted in _num_waiting_tokens: it waits, just not admissible yet
+        self.waiting = kept
+        return held
+
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
-        compiling: list[Request] = []  # structured outputs whose grammar is not ready: they keep their place
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self._batch_has_room()):
             request = self.waiting[0]
-            if request.grammar is not None and not request.grammar.poll():
-                self._pop_waiting()
-                if request.grammar.failed:
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-                    self.failed.append(request)
-                else:
-                    compiling.append(request)
-                continue
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -235,9 +245,6 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
             budget -= num_new
-        for request in reversed(compiling):
-            self.waiting.appendleft(request)
-            self._num_waiting_tokens += request.num_tokens
         return budget
 
     def _pop_waiting(self) -> None:
@@ -266,13 +273,11 @@ class Scheduler:
             if sampled is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.output_token_ids.append(sampled.token_id)
-            if request.grammar is not None and not request.grammar.accept(sampled.token_id):
-                self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                updated.append(request)
-                continue
             updated.append(request)
-            status = self._stop_status(request, sampled.token_id)
+            if request.grammar is not None and not request.grammar.accept(sampled.token_id):
+                status = RequestStatus.FINISHED_ERROR  # cannot happen under its mask; never loop on a refusal
+            else:
+                status = self._stop_status(request, sampled.token_id)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

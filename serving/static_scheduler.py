@@ -25,8 +25,7 @@ class StaticScheduler(Scheduler):
             if self.running and num_reserved + num_blocks > self.kv_cache.num_free_blocks:
                 break
             num_reserved += num_blocks
-            self.waiting.popleft()
-            self._num_waiting_tokens -= request.num_tokens
+            self._pop_waiting()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

@@ -214,8 +214,8 @@ def test_parse_required_and_named() -> None:
     cut = parse_required('[{"name": "now", "arguments": {"a": ')
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut] == [("now", '{"a": ')]
     assert parse_required('[{"name": "no') == [] and parse_required("") == []
-    assert finish_reason_for(calls) == "tool_calls"
-    assert finish_reason_for([]) == "stop" and finish_reason_for(calls, "length") == "length"
+    assert finish_reason_for(len(calls)) == "tool_calls"
+    assert finish_reason_for(0) == "stop" and finish_reason_for(len(calls), "length") == "length"
 
 
 @pytest.mark.parametrize(
@@ -342,7 +342,7 @@ def test_openai_client_accumulates_deltas(mode: str, text: str, named: str | Non
         state.handle_chunk(ChatCompletionChunk.model_validate({
             "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
             "choices": [{"index": 0, "delta": delta, "finish_reason": None if i < len(deltas) else
-                         finish_reason_for(calls)}],
+                         finish_reason_for(len(calls))}],
         }))
     choice = state.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls"
