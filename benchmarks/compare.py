@@ -1,5 +1,5 @@
 """Peer comparison on SmolLM2, one run, side by side: starts every target itself, then sweeps request rates
-alternating targets (benchmarks/serving/runner.py::compare) and finds each one's capacity at a p99 ITL SLO.
+alternating targets (conveyor/bench/runner.py::compare) and finds each one's capacity at a p99 ITL SLO.
 
 Targets: Conveyor in tail-latency mode ("slo": continuous batching with --itl-slo-ms), Conveyor continuous at
 a fixed token budget, and Conveyor static batching (Ray Serve apps in one local Ray, same max batch and
@@ -31,8 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
-from benchmarks.serving.runner import (  # noqa: E402
-    RESULTS_DIR,
+from conveyor.bench.runner import (  # noqa: E402
     add_workload_args,
     compare,
     parse_goodput,
@@ -40,6 +39,8 @@ from benchmarks.serving.runner import (  # noqa: E402
     score,
     write_compare,
 )
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
 def free_port() -> int:

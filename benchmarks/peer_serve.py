@@ -181,9 +181,9 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
     streamed, at the same rate (Poisson arrivals of its own seed): what TTFT and ITL the engine alone gives."""
     import asyncio
 
-    from benchmarks.serving.inproc import make_engine, run_inproc
-    from benchmarks.serving.metrics import distribution
-    from benchmarks.serving.workload import BenchRequest, arrival_offsets
+    from conveyor.bench.inproc import make_engine, run_inproc
+    from conveyor.bench.metrics import distribution
+    from conveyor.bench.workload import BenchRequest, arrival_offsets
 
     rows = json.loads(Path(prompts_file).read_text())
     engine = make_engine(args.model, max_num_batched_tokens=512, max_num_seqs=64)  # `conveyor serve` defaults

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serving.inproc import make_engine, stream_one  # noqa: E402
-from benchmarks.serving.metrics import RequestResult, distribution  # noqa: E402
-from benchmarks.serving.plots import plot_itl_timeline  # noqa: E402
-from benchmarks.serving.workload import build_requests  # noqa: E402
+from conveyor.bench.inproc import make_engine, stream_one  # noqa: E402
+from conveyor.bench.metrics import RequestResult, distribution  # noqa: E402
+from conveyor.bench.plots import plot_itl_timeline  # noqa: E402
+from conveyor.bench.workload import build_requests  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.serving.inproc import make_engine, run_inproc, stream_one  # noqa: E402
-from benchmarks.serving.metrics import summarize  # noqa: E402
-from benchmarks.serving.plots import plot_curves  # noqa: E402
-from benchmarks.serving.workload import (  # noqa: E402
+from conveyor.bench.inproc import make_engine, run_inproc, stream_one  # noqa: E402
+from conveyor.bench.metrics import summarize  # noqa: E402
+from conveyor.bench.plots import plot_curves  # noqa: E402
+from conveyor.bench.workload import (  # noqa: E402
     arrival_offsets,
     build_requests,
     sharegpt_like_lengths,

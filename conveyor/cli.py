@@ -73,13 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    # The benchmark lives in benchmarks/ (not installed): import it from the source tree this file is in.
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.serving.runner import main as bench_main
+    from conveyor.bench.runner import main as bench_main  # imports neither ray nor torch
 
     return bench_main(argv)
 
@@ -122,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # `bench` parses its own arguments (main() hands them over before this parser sees them); listed here
     # so `conveyor --help` shows it.
-    sub.add_parser("bench", help="serving benchmark over HTTP; `conveyor bench compare` for side by side",
-                   add_help=False)
+    sub.add_parser("bench", help="serving benchmark of any OpenAI-compatible server over HTTP; "
+                   "`conveyor bench compare` for side by side", add_help=False)
 
     dash = sub.add_parser("dashboards", help="Grafana dashboards")
     dash_sub = dash.add_subparsers(dest="dashboards_command", required=True)

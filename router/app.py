@@ -23,6 +23,7 @@ from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, Sche
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUTER = "conveyor.router.routing:LoadAwarePrefixRouter"
+INGRESS_DRAIN_MARGIN_S = 5.0
 
 
 class ServeArgs(BaseModel):
@@ -60,6 +61,10 @@ class ServeArgs(BaseModel):
     # a replica being removed (scale-in, redeploy, replaced after failed health checks) finishes its streams for at
     # most this long before Serve kills it (Serve's graceful_shutdown_timeout_s)
     drain_timeout_s: float = Field(20.0, ge=0)
+    # a redeploy that restarts replicas (any change under `args`) starts this share of extra replicas before it
+    # stops old ones (Serve's max_surge_percent): 100 keeps full capacity but needs room for the extra replicas;
+    # 0 (Serve's default) replaces them a batch at a time, each draining first
+    max_surge_percent: int = Field(0, ge=0, le=100)
     ready_timeout_s: float = Field(2.0, gt=0)  # /ready: how long to wait for an engine replica to answer
     test_hooks: bool = False  # drills only: lets a test stall a replica's engine loop
     block_size: int = Field(16, ge=1)
@@ -124,6 +129,7 @@ class ServeArgs(BaseModel):
             "request_router_config": self.router_config(),
             "health_check_period_s": self.health_check_period_s,
             "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "max_surge_percent": self.max_surge_percent,
         }
         if self.autoscaling is not None:
             name = self.served_model_name or self.model
@@ -159,6 +165,9 @@ def build_app(args: dict[str, Any] | ServeArgs | None = None) -> serve.Applicati
         cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model,
         engine_process=cfg.engine_process, engine_stall_timeout_s=cfg.engine_stall_timeout_s,
         test_hooks=cfg.test_hooks)
+    # I/O only: never take an engine's CPU. A redeploy replaces the ingress too: it must outlast the engines'
+    # drain, or it would cut the streams they are finishing.
     ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,
-                              ray_actor_options={"num_cpus": 0})  # I/O only: never take an engine's CPU
+                              ray_actor_options={"num_cpus": 0},
+                              graceful_shutdown_timeout_s=cfg.drain_timeout_s + INGRESS_DRAIN_MARGIN_S)
     return ingress.bind(engine, cfg.ingress_settings())

@@ -89,11 +89,13 @@ class Ingress:
         self._metrics_endpoint = start_replica_endpoint("ingress", settings.model_name)
         self._fleet_gauges = FleetGauges(settings.model_name, self._app_name)
         from conveyor.router.errors import count_rejections_with
-        from conveyor.serving.metrics import REQUESTS_REJECTED
+        from conveyor.serving.metrics import REQUESTS_CUT, REQUESTS_HANDED_BACK, REQUESTS_REJECTED
 
         rejected = REQUESTS_REJECTED.labels  # replica label "ingress-<id>": refusals that never reached an engine
         ingress_label = "ingress-" + serve.get_replica_context().replica_id.unique_id
         count_rejections_with(lambda reason: rejected(settings.model_name, ingress_label, reason).inc())
+        self._count_cut = REQUESTS_CUT.labels(settings.model_name, ingress_label).inc
+        self._count_hand_back = REQUESTS_HANDED_BACK.labels(settings.model_name, ingress_label).inc
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")
@@ -215,14 +217,15 @@ class Ingress:
         started = await self._start_all([request for _, request in choices])
         fmt.fingerprint = started[0].first.get("replica")
         if stream:
-            body = sse_body(started, states, fmt, include_usage)
+            body = sse_body(started, states, fmt, include_usage, on_cut=self._count_cut)
             return ReplicaStreamingResponse(body, started)
         try:
             async for i, record in merge_records(started):
                 states[i].update(record)
         except Exception as exc:
             logger.warning("request failed mid-generation: %r", exc)
-            raise ApiError.server("a replica failed while generating; retry the request") from None
+            self._count_cut()  # counted as cut, not again as a rejection
+            raise ApiError.server("a replica failed while generating; retry the request").from_replica() from None
         finally:
             for s in started:
                 s.cancel()
@@ -230,7 +233,8 @@ class Ingress:
 
     async def _start_all(self, requests: list[dict]) -> list[StartedStream]:
         """Start every choice; if any fails, cancel the others and raise its error."""
-        tasks = [asyncio.ensure_future(start_stream(self.engine, r, self.settings.replica_wait_timeout_s))
+        wait_s = self.settings.replica_wait_timeout_s
+        tasks = [asyncio.ensure_future(start_stream(self.engine, r, wait_s, self._count_hand_back))
                  for r in requests]
         try:
             return list(await asyncio.gather(*tasks))

@@ -20,24 +20,29 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+# Reached through its module: Serve pickles this module by value, and drain's registry holds a lock.
+from conveyor.router import drain
 from conveyor.router.prefix_index import LoadTracker, PrefixIndex, RoutingPolicy, rank_replicas
 
 # Key the ingress puts in the request dict: the first 2048 characters of the rendered prompt.
 ROUTING_PREFIX_KEY = "routing_prefix"
 
 
-def routing_prefix(pending_request: PendingRequest | None) -> str | None:
-    """The request's prompt prefix, or None (e.g. health probes or callers that do not set it)."""
+def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:
+    """A string field of the ingress's request record (router/replica.make_request), or None (health probes
+    and other callers do not send one)."""
     if pending_request is None:
         return None
-    value = pending_request.kwargs.get(ROUTING_PREFIX_KEY) if pending_request.kwargs else None
+    value = pending_request.kwargs.get(key) if pending_request.kwargs else None
     if value is None and pending_request.args:
         first = pending_request.args[0]
-        if isinstance(first, Mapping):
-            value = first.get(ROUTING_PREFIX_KEY)
-        else:
-            value = getattr(first, ROUTING_PREFIX_KEY, None)
+        value = first.get(key) if isinstance(first, Mapping) else getattr(first, key, None)
     return value if isinstance(value, str) and value else None
+
+
+def routing_prefix(pending_request: PendingRequest | None) -> str | None:
+    """The request's prompt prefix, or None."""
+    return _request_field(pending_request, ROUTING_PREFIX_KEY)
 
 
 class LoadAwarePrefixRouter(FIFOMixin, RequestRouter):
@@ -94,10 +99,15 @@ class LoadAwarePrefixRouter(FIFOMixin, RequestRouter):
         prefix = routing_prefix(pending_request)
         if prefix:
             self._index.insert(prefix, replica_id)
+        drain.DEPARTURES.on_routed(_request_field(pending_request, drain.ROUTE_KEY), replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         old_ids = set(self._replica_id_set)
         super().update_replicas(replicas)
-        for gone in old_ids - self._replica_id_set:
-            self._index.remove_owner(gone)
+        gone = old_ids - self._replica_id_set
+        for replica_id in gone:
+            self._index.remove_owner(replica_id)
         self._tracker.forget(self._replica_id_set)
+        # A replica leaves the set when Serve starts stopping it: what still waits in its queue goes elsewhere.
+        drain.DEPARTURES.on_joined(self._replica_id_set - old_ids)
+        drain.DEPARTURES.on_left(gone)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
 
+from conveyor.router.drain import DEPARTURES, ROUTE_KEY
 from conveyor.router.errors import ApiError
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
 
@@ -20,6 +21,7 @@ logger = logging.getLogger("ray.serve")  # Serve routes this logger into its rep
 # The replica died or vanished before it answered: safe to send the request elsewhere, nothing was streamed.
 RETRYABLE = (RayActorError, ReplicaUnavailableError, ObjectLostError)
 MAX_ATTEMPTS = 2
+MAX_HAND_BACKS = 3  # a request is sent again when its replica drains before it starts: bounded, not forever
 
 
 @dataclass
@@ -40,28 +42,61 @@ class StartedStream:
         self.gen.cancel()
 
 
-async def start_stream(handle: DeploymentHandle, request: dict[str, Any],
-                       wait_timeout_s: float) -> StartedStream:
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        gen = handle.options(stream=True).generate.remote(request)
-        try:
-            await _wait_assigned(gen, wait_timeout_s)
-            first = await gen.__anext__()
-        except RETRYABLE as exc:
-            gen.cancel()
-            if attempt == MAX_ATTEMPTS:
-                raise ApiError.unavailable(f"no replica could serve the request: {exc}") from None
-            logger.warning("replica failed before streaming (%r); retrying on another replica", exc)
-            continue
-        except BackPressureError as exc:
-            gen.cancel()
-            raise ApiError.too_many(f"server is at capacity: {exc.message}",
-                                    exc.retry_after_s or 1.0) from None
-        except BaseException:  # client gone (CancelledError) or an unexpected failure: free the replica
-            gen.cancel()
-            raise
+async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_timeout_s: float,
+                       on_hand_back: Callable[[], None] | None = None) -> StartedStream:
+    num_failed = num_handed_back = 0
+    while True:
+        # A key per attempt: a late routing event of an earlier attempt must not wake this one.
+        key = f"{request.get('request_id')}/{num_failed}/{num_handed_back}"
+        with DEPARTURES.watch(key) as replica_left:
+            gen = handle.options(stream=True).generate.remote(request | {ROUTE_KEY: key})
+            try:
+                await _wait_assigned(gen, wait_timeout_s)
+                first = await _first_record(gen, replica_left)
+            except HandedBack:
+                gen.cancel()  # the draining replica aborts it in its engine
+                num_handed_back += 1
+                if num_handed_back > MAX_HAND_BACKS:
+                    raise ApiError.unavailable("replicas kept leaving before the request started") from None
+                logger.info("request %s handed back by a draining replica; sending it elsewhere", key)
+                if on_hand_back is not None:
+                    on_hand_back()
+                continue
+            except RETRYABLE as exc:
+                gen.cancel()
+                num_failed += 1
+                if num_failed == MAX_ATTEMPTS:
+                    raise ApiError.unavailable(f"no replica could serve the request: {exc}") from None
+                logger.warning("replica failed before streaming (%r); retrying on another replica", exc)
+                continue
+            except BackPressureError as exc:
+                gen.cancel()
+                raise ApiError.too_many(f"server is at capacity: {exc.message}",
+                                        exc.retry_after_s or 1.0) from None
+            except BaseException:  # client gone (CancelledError) or an unexpected failure: free the replica
+                gen.cancel()
+                raise
         return StartedStream(_raise_if_error(first), gen)
-    raise AssertionError("unreachable")
+
+
+class HandedBack(Exception):
+    """The replica holding the request left the routing set (it drains) before the request started."""
+
+
+async def _first_record(gen: DeploymentResponseGenerator, replica_left: asyncio.Event) -> dict[str, Any]:
+    """The stream's first record, or HandedBack if its replica leaves first. A record that arrives together
+    with the departure wins: the request has started and the drain lets it finish."""
+    first = asyncio.ensure_future(gen.__anext__())
+    left = asyncio.ensure_future(replica_left.wait())
+    try:
+        await asyncio.wait((first, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not first.done():
+            first.cancel()
+    if first.done() and not first.cancelled():
+        return first.result()
+    raise HandedBack
 
 
 def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +159,8 @@ async def merge_records(streams: list[StartedStream]) -> AsyncIterator[tuple[int
 
 
 async def sse_body(started: list[StartedStream], states: list[ChoiceState],
-                    fmt: ChatFormat | CompletionFormat, include_usage: bool) -> AsyncIterator[bytes]:
+                   fmt: ChatFormat | CompletionFormat, include_usage: bool,
+                   on_cut: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     seen: set[int] = set()
     try:
         async for i, record in merge_records(started):
@@ -136,6 +172,8 @@ async def sse_body(started: list[StartedStream], states: list[ChoiceState],
             yield sse(fmt.usage_chunk(usage_of(states)))
     except Exception as exc:  # a replica died mid-stream: say so, then end the stream cleanly
         logger.warning("stream cut mid-way: %r", exc)
+        if on_cut is not None:
+            on_cut()
         error = ApiError.server("the replica serving this stream failed; the output is incomplete")
         yield sse({"error": error.info.model_dump()})
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -166,8 +167,16 @@ class ProcessEngine:
             pass  # no engine, nothing to abort
 
     def shutdown(self) -> None:
+        # shutdown(), not just close(): our reader thread sits in recv() on this socket, and a close() does not
+        # end that call, so the socket stayed open, the child never read EOF and the wait below ran out (10 s
+        # for every replica that stopped).
         try:
-            self._conn.close()  # the child reads EOF and exits
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # the child reads EOF and exits; our reader's recv() returns
+        except OSError:
+            pass
+        try:
+            self._conn.close()
         except OSError:
             pass
         try:

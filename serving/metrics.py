@@ -71,6 +71,11 @@ REQUESTS_FINISHED = Counter(PREFIX + "requests_finished", "Requests finished, by
                             LABELS + ("reason",))
 REQUESTS_REJECTED = Counter(PREFIX + "requests_rejected", "Requests refused before generation, by reason.",
                             LABELS + ("reason",))
+# Counted by the ingress (replica label "ingress-<id>"): the replica that was generating is gone.
+REQUESTS_CUT = Counter(PREFIX + "requests_cut", "Requests whose output was cut short because their replica "
+                       "failed or was stopped past its drain time.", LABELS)
+REQUESTS_HANDED_BACK = Counter(PREFIX + "requests_handed_back", "Requests sent to another replica because "
+                               "theirs left the routing set (drain, redeploy) before they started.", LABELS)
 
 # ---- fleet metrics (set by the ingress from what the autoscaling policy reports) -----------------------
 REPLICAS_CURRENT = Gauge(PREFIX + "replicas_current", "Engine replicas running now.", ("model",))
@@ -79,7 +84,7 @@ REPLICAS_TARGET = Gauge(PREFIX + "replicas_target", "Engine replicas the autosca
 METRICS = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, STEP_DURATION,
            REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE, BATCH_SIZE, PROMPT_TOKENS, GENERATION_TOKENS,
            PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, SCHEDULED_TOKENS, REQUESTS_FINISHED,
-           REQUESTS_REJECTED, REPLICAS_CURRENT, REPLICAS_TARGET)
+           REQUESTS_REJECTED, REQUESTS_CUT, REQUESTS_HANDED_BACK, REPLICAS_CURRENT, REPLICAS_TARGET)
 FLEET_METRICS = (REPLICAS_CURRENT, REPLICAS_TARGET)
 
 

@@ -1,20 +1,31 @@
-"""The serving benchmark's pure parts (arrivals, lengths, percentiles, goodput, capacity) and one short
+"""The serving benchmark's pure parts (arrivals, lengths, percentiles, goodput, capacity), its URL and API-key
+handling against a stub server on loopback, `conveyor bench --help` from outside the source tree, and one short
 end-to-end run of the load generator against the transformers baseline server on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import json
 import math
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from benchmarks.serving.client import check_loopback, run_load
-from benchmarks.serving.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
-from benchmarks.serving.runner import attainment_capacity, capacity, ratio_table
-from benchmarks.serving.workload import (
+from conveyor.bench import runner
+from conveyor.bench.client import run_load, validate_base_url
+from conveyor.bench.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
+from conveyor.bench.plots import MISSING_MATPLOTLIB
+from conveyor.bench.runner import attainment_capacity, capacity, ratio_table
+from conveyor.bench.workload import (
     BenchRequest,
     arrival_offsets,
     build_requests,
@@ -119,10 +130,99 @@ def test_slo_attainment_capacity_is_the_highest_rate_where_nine_in_ten_meet_the_
     assert attainment_capacity([{"offered_rate": 1.0, "num_requests": 20}]) is None  # no --goodput given
 
 
-def test_only_loopback_targets() -> None:
-    check_loopback("http://127.0.0.1:8000")
-    with pytest.raises(ValueError):
-        check_loopback("http://example.com")
+def test_any_http_server_is_a_valid_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert validate_base_url("http://10.1.2.3:8000") == "http://10.1.2.3:8000"
+    assert validate_base_url("https://host.example/") == "https://host.example"
+    assert validate_base_url("http://[::1]:8000/prefix") == "http://[::1]:8000/prefix"
+    for bad in ["ftp://host.example", "http://", "https:///v1", "host.example:8000", "http://h:port", "http://h/?a=1"]:
+        with pytest.raises(ValueError, match="bad base URL"):
+            validate_base_url(bad)
+    with pytest.raises(ValueError, match="http or https"):
+        asyncio.run(run_load("ftp://host.example", "m", [], []))
+    # on the command line the same check is a usage error, not a traceback
+    with pytest.raises(SystemExit) as exit_info:
+        runner.main(["--base-url", "ftp://host.example"])
+    assert exit_info.value.code == 2 and "the scheme must be http or https" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        runner.main(["compare", "--targets", "a=http://10.1.2.3:8000,b=gopher://x", "--request-rates", "1"])
+    assert "gopher://x" in capsys.readouterr().err
+
+
+class _StubServer(http.server.ThreadingHTTPServer):
+    seen: list[tuple[str, str | None]]  # (path, Authorization header) of every request
+
+
+class _StubCompletions(http.server.BaseHTTPRequestHandler):
+    """/v1/completions streaming max_tokens one-token chunks; records each request's Authorization header."""
+    server: _StubServer
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append((self.path, self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(body["max_tokens"]):
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _stub_server() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+    server = _StubServer(("127.0.0.1", 0), _StubCompletions)
+    server.seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_api_key_is_sent_as_a_bearer_token() -> None:
+    reqs = [BenchRequest([101, 102, 103], 3)] * 2
+    with _stub_server() as (url, seen):
+        results, _ = asyncio.run(run_load(url + "/", "m", reqs, [0.0, 0.0], progress=False, api_key="sk-test"))
+        assert all(r.ok and r.output_tokens == 3 for r in results), [r.error for r in results]
+        assert seen == [("/v1/completions", "Bearer sk-test")] * 2
+        seen.clear()
+        asyncio.run(run_load(url, "m", reqs[:1], [0.0], progress=False))
+        assert seen == [("/v1/completions", None)]  # no key, no header
+
+
+def test_bench_command_takes_the_key_from_the_environment_and_saves_no_secret(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CONVEYOR_API_KEY", "sk-env")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")  # the more specific variable wins
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the `bench` extra: no figures, no failure
+    out = tmp_path / "run.json"
+    with _stub_server() as (url, seen):
+        rc = runner.main(["--base-url", url, "--dataset", "random", "--num-prompts", "3", "--input-len", "4",
+                          "--output-len", "2", "--num-warmups", "1", "--request-rate", "inf", "--no-progress",
+                          "--out", str(out)])
+    assert rc == 0
+    assert seen == [("/v1/completions", "Bearer sk-env")] * 4  # the warm-up too
+    saved = json.loads(out.read_text())
+    assert saved["points"][0]["completed"] == 3
+    assert saved["args"]["api_key"] == "<redacted>" and "sk-env" not in out.read_text()
+    assert MISSING_MATPLOTLIB in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bench_help_runs_from_outside_the_source_tree(tmp_path: Path) -> None:
+    """The installed package alone: no `benchmarks` package, no matplotlib (a dev/bench extra), not the checkout."""
+    code = ("import sys; sys.modules['benchmarks'] = None; sys.modules['matplotlib'] = None; "
+            "from conveyor.cli import main; sys.exit(main(['bench', '--help']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OpenAI-compatible" in proc.stdout and "--api-key" in proc.stdout and "--base-url" in proc.stdout
 
 
 def test_load_generator_end_to_end_against_the_hf_server(tiny_model_dir) -> None:  # noqa: ANN001

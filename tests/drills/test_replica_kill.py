@@ -16,7 +16,7 @@ from ray import serve
 from benchmarks.soak import is_idle, percentile, replica_actor_names, wait_fleet_idle
 from tests.drills.conftest import write_artifact
 from tests.serve.conftest import deploy, wait_until
-from tests.serve.test_replicas import StreamResult, stream_completion
+from tests.serve.streaming import StreamResult, stream_completion
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,7 +83,7 @@ def test_fleet_recovers_after_replica_kill(base_url: str) -> None:
         [(s.result.status, s.result.error) for s in samples if s.result.status != 200 or not s.result.done]
     cut = [s for s in samples if s.result.error is not None]
     assert all(s.result.replica == victim_id and s.result.chunks >= 1 for s in cut)
-    assert len(cut) <= 3
+    assert len(cut) <= 4  # its batch (2), twice if both slots turned over just before the kill
     # The new replica serves.
     assert any(s.result.replica == new_id for s in samples if s.start >= recovered_at)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from benchmarks.serving.metrics import RequestResult
-from benchmarks.serving.workload import BenchRequest
+from conveyor.bench.metrics import RequestResult
+from conveyor.bench.workload import BenchRequest
 from conveyor.serving.async_engine import AsyncEngine
 from conveyor.serving.config import EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.request import SamplingParams

@@ -5,19 +5,46 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import time
 from pathlib import Path
 
-from benchmarks.serving.client import run_load, warmup
-from benchmarks.serving.metrics import parse_goodput, summarize
-from benchmarks.serving.plots import plot_curves, plot_itl_timeline
-from benchmarks.serving.workload import arrival_offsets, make_workload
+from conveyor.bench.client import run_load, validate_base_url, warmup
+from conveyor.bench.metrics import parse_goodput, summarize
+from conveyor.bench.plots import MISSING_MATPLOTLIB, plot_curves, plot_itl_timeline, plots_available
+from conveyor.bench.workload import arrival_offsets, make_workload
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+# Relative to the working directory: an installed package has no source tree to write into.
+RESULTS_DIR = Path("bench_results")
+API_KEY_ENV = ("CONVEYOR_API_KEY", "OPENAI_API_KEY")  # the first one set is --api-key's default
+
+
+def default_api_key() -> str | None:
+    """--api-key's default: the first of API_KEY_ENV set in the environment."""
+    return next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+
+
+def base_url_arg(text: str) -> str:
+    """argparse type for a server URL: a ValueError's message becomes the usage error."""
+    try:
+        return validate_base_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def targets_arg(text: str) -> dict[str, str]:
+    """argparse type for name=url,name=url."""
+    targets = {}
+    for item in text.split(","):
+        name, sep, url = item.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"bad target {item!r}; expected name=url")
+        targets[name] = base_url_arg(url)
+    return targets
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the model name each request asks the server for")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt",
                    help="sharegpt: seeded long tail; random: fixed --input-len/--output-len")
@@ -32,18 +59,24 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:2000 itl:300")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_<time>.json)")
+    p.add_argument("--out", default=None, help=f"JSON path, PNGs beside it (default: {RESULTS_DIR}/<mode>_<time>.json)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="no PNG figures (they need matplotlib)")
+    p.add_argument("--api-key", default=default_api_key(),
+                   help="sent to every target as 'Authorization: Bearer KEY' (default: $" + " or $".join(API_KEY_ENV)
+                        + ", the first set)")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="loopback only, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", required=True, type=base_url_arg,
+                   help="root URL of any OpenAI-compatible server (without /v1), e.g. http://10.0.0.5:8000")
     p.add_argument("--request-rate", default="inf", help="req/s, or a comma list to sweep; inf = all at once")
     add_workload_args(p)
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--targets", required=True, help="name=url,name=url (the first is the numerator)")
+    p.add_argument("--targets", required=True, type=targets_arg,
+                   help="name=url,name=url: OpenAI-compatible servers (the first is the numerator)")
     p.add_argument("--request-rates", required=True, help="comma list of req/s")
     p.add_argument("--itl-slo-ms", type=float, default=300.0, help="p99 ITL SLO for capacity")
     add_workload_args(p)
@@ -62,9 +95,10 @@ def run_point(url: str, args: argparse.Namespace, rate: float, desc: str) -> tup
                          args.max_prompt_len, args.max_output_len, args.max_token_id)
     offsets = arrival_offsets(len(reqs), rate, args.burstiness, seed)
     warm = make_workload("random", args.num_warmups, args.seed + 99, 32, 8, vocab_high=args.max_token_id)
-    asyncio.run(warmup(url, args.model, warm))
+    api_key = getattr(args, "api_key", None)
+    asyncio.run(warmup(url, args.model, warm, api_key=api_key))
     results, duration = asyncio.run(run_load(url, args.model, reqs, offsets, args.max_concurrency,
-                                             args.timeout_s, not args.no_progress, desc))
+                                             args.timeout_s, not args.no_progress, desc, api_key=api_key))
     summary = summarize(results, duration, rate, parse_goodput(args.goodput))
     return summary, results
 
@@ -83,6 +117,23 @@ def _out_path(args: argparse.Namespace, stem: str) -> Path:
     return path
 
 
+def args_record(args: argparse.Namespace) -> dict:
+    """The arguments as saved with the results: no callback, and no API key (only whether one was sent)."""
+    record = {k: v for k, v in vars(args).items() if k != "func"}
+    if record.get("api_key"):
+        record["api_key"] = "<redacted>"
+    return record
+
+
+def want_plots(args: argparse.Namespace) -> bool:
+    if getattr(args, "no_plot", False):
+        return False
+    if not plots_available():
+        print(MISSING_MATPLOTLIB, flush=True)
+        return False
+    return True
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     rows, timelines = [], {}
     for rate in parse_rates(args.request_rate):
@@ -91,9 +142,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows.append({**summary, "requests": [r.to_dict() for r in results]})
         timelines[f"rate {rate:g}"] = _itl_series(results)
     path = _out_path(args, "bench")
-    path.write_text(json.dumps({"args": vars(args) | {"func": None}, "points": rows}, indent=1))
-    plot_curves({"target": rows}, path.with_suffix(".png"))
-    plot_itl_timeline(timelines, path.with_name(path.stem + "_itl.png"), "ITL over time")
+    path.write_text(json.dumps({"args": args_record(args), "points": rows}, indent=1))
+    if want_plots(args):
+        plot_curves({"target": rows}, path.with_suffix(".png"))
+        plot_itl_timeline(timelines, path.with_name(path.stem + "_itl.png"), "ITL over time")
     print(f"wrote {path}")
     return 0
 
@@ -204,23 +256,24 @@ def _capacity_ratios(caps: dict[str, float], base: str, names: list[str]) -> lis
 
 def write_compare(result: dict, args: argparse.Namespace, stem: str = "compare") -> Path:
     path = _out_path(args, stem)
-    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                **result}, indent=1))
-    plot_curves(result["per_target"], path.with_suffix(".png"), result["itl_slo_ms"])
+    path.write_text(json.dumps({"args": args_record(args), **result}, indent=1))
+    if want_plots(args):
+        plot_curves(result["per_target"], path.with_suffix(".png"), result["itl_slo_ms"])
     return path
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    targets = dict(t.split("=", 1) for t in args.targets.split(","))
-    result = compare(targets, args)
+    result = compare(args.targets, args)
     print(ratio_table(result))
     print(f"wrote {write_compare(result, args)}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor bench", description="serving benchmark over HTTP "
-                                     "(`conveyor bench compare --help` for the side-by-side mode)")
+    parser = argparse.ArgumentParser(prog="conveyor bench",
+                                     description="serving benchmark over HTTP against any OpenAI-compatible server "
+                                     "(streamed /v1/completions with token-id prompts; `conveyor bench compare "
+                                     "--help` for the side-by-side mode)")
     add_bench_args(parser)
     parser.set_defaults(func=cmd_bench)
     return parser
@@ -228,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_compare_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor bench compare",
-                                     description="one workload against several targets, alternating")
+                                     description="one workload against several OpenAI-compatible servers, "
+                                     "alternating")
     add_compare_args(parser)
     parser.set_defaults(func=cmd_compare)
     return parser

@@ -1,17 +1,38 @@
-"""PNG figures: latency vs throughput across request rates, and ITL over time."""
+"""PNG figures: latency vs throughput across request rates, and ITL over time.
+
+matplotlib is not a dependency of `conveyor` (it is in the `bench` and `dev` extras): it is imported when a figure
+is drawn, so the benchmark itself runs without it and `conveyor bench` skips its PNGs (see `plots_available`).
+"""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from typing import Any
 
-import matplotlib
+MISSING_MATPLOTLIB = "matplotlib is not installed: no PNG figures (pip install 'conveyor[bench]' for them)"
 
-matplotlib.use("Agg")  # headless: never open a window
-import matplotlib.pyplot as plt  # noqa: E402
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (the figures' only extra requirement)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # sys.modules["matplotlib"] is None or has no spec: treat as absent
+        return False
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never open a window
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_curves(per_target: dict[str, list[dict]], path: Path, slo_ms: float | None = None) -> None:
     """per_target: name -> summaries (one per rate). Left: p99 ITL; middle: p50 ITL; right: p99 TTFT,
     each against achieved output-token throughput."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [("itl_ms", "p99", "p99 ITL (ms)"), ("itl_ms", "p50", "p50 ITL (ms)"),
               ("ttft_ms", "p99", "p99 TTFT (ms)")]
@@ -38,6 +59,7 @@ def plot_curves(per_target: dict[str, list[dict]], path: Path, slo_ms: float | N
 def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: Path, title: str = "",
                       marks: list[float] | None = None) -> None:
     """series: name -> (times s, ITL ms); marks: times of notable events (e.g. long-prompt arrivals)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 4))
     for name, (ts, itl) in series.items():
         ax.scatter(ts, itl, s=4, alpha=0.6, label=name)
@@ -54,7 +76,7 @@ def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: 
     plt.close(fig)
 
 
-def _log_if_positive(ax: plt.Axes) -> None:
+def _log_if_positive(ax: Any) -> None:  # a matplotlib Axes
     """Log scale (latencies span decades) unless nothing positive was measured, e.g. every request failed."""
     if ax.dataLim.ymax > 0 and ax.has_data():
         ax.set_yscale("log")

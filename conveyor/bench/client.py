@@ -9,21 +9,37 @@ from urllib.parse import urlparse
 import httpx
 from tqdm.asyncio import tqdm
 
-from benchmarks.serving.metrics import RequestResult
-from benchmarks.serving.workload import BenchRequest
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+from conveyor.bench.metrics import RequestResult
+from conveyor.bench.workload import BenchRequest
 
 
-def check_loopback(base_url: str) -> None:
-    """A load generator aimed at someone else's server is an attack: refuse anything but this host."""
-    host = urlparse(base_url).hostname
-    if host not in LOOPBACK:
-        raise ValueError(f"refusing non-loopback target {base_url!r}")
+def validate_base_url(base_url: str) -> str:
+    """The server's root URL (http or https, with a host), without a trailing slash; ValueError otherwise.
+
+    Any host is accepted: the benchmark is for servers its user runs or may load (a load generator aimed at
+    someone else's server is an attack)."""
+    try:
+        parts = urlparse(base_url)
+        host, _ = parts.hostname, parts.port  # .port raises ValueError on a malformed port
+    except ValueError as exc:
+        raise ValueError(f"bad base URL {base_url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"bad base URL {base_url!r}: the scheme must be http or https")
+    if not host:
+        raise ValueError(f"bad base URL {base_url!r}: no host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"bad base URL {base_url!r}: no query or fragment (the path /v1/completions is added)")
+    return base_url.rstrip("/")
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """`Authorization: Bearer KEY` when a key is given (OpenAI's scheme, and `conveyor serve --api-key`'s)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, t0: float,
                    timeout_s: float) -> RequestResult:
+    """One streamed completion, every token-bearing chunk timed; errors end up in the result, not raised."""
     send = time.perf_counter()
     result = RequestResult(send_time=send - t0, prompt_len=len(req.prompt_token_ids), max_tokens=req.max_tokens)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "stream": True,
@@ -62,14 +78,15 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], offsets: list[float],
                    max_concurrency: int | None = None, timeout_s: float = 600.0,
-                   progress: bool = True, desc: str = "") -> tuple[list[RequestResult], float]:
+                   progress: bool = True, desc: str = "", api_key: str | None = None
+                   ) -> tuple[list[RequestResult], float]:
     """Send requests[i] at offsets[i] s (or as soon as a concurrency slot frees); return results and the
-    wall time from the first send to the last finish."""
-    check_loopback(base_url)
-    url = base_url.rstrip("/") + "/v1/completions"
+    wall time from the first send to the last finish. With api_key, every request carries it as a bearer token."""
+    url = validate_base_url(base_url) + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max(len(requests), 1), max_keepalive_connections=32)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         t0 = time.perf_counter()
         bar = tqdm(total=len(requests), desc=desc or base_url, disable=not progress, leave=False)
 
@@ -88,7 +105,9 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], offs
         return list(results), time.perf_counter() - t0
 
 
-async def warmup(base_url: str, model: str, requests: list[BenchRequest], timeout_s: float = 120.0) -> None:
+async def warmup(base_url: str, model: str, requests: list[BenchRequest], timeout_s: float = 120.0,
+                 api_key: str | None = None) -> None:
     """A few requests first: the first steps pay one-off costs (allocator, kernels) no user should see."""
     if requests:
-        await run_load(base_url, model, requests, [0.0] * len(requests), timeout_s=timeout_s, progress=False)
+        await run_load(base_url, model, requests, [0.0] * len(requests), timeout_s=timeout_s, progress=False,
+                       api_key=api_key)

@@ -1,0 +1,211 @@
+"""The fleet changing on purpose, under load, deployed the way `serve deploy` does it (a declarative config):
+
+- scale-in from two engine replicas to one: the replica Serve stops finishes the streams it is generating, and what
+  waits in its queue is handed back to the other replica at once, not held for the drain and not lost;
+- the same past the drain limit: streams still running when it expires end with an SSE error event and [DONE], and
+  the ingress counts them (conveyor_requests_cut_total);
+- a rolling update (a changed engine setting restarts every replica, the ingress included): no request fails, and
+  the latency during the update is reported next to the steady state (benchmarks/results/drills/).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from ray import serve
+
+from benchmarks.soak import percentile, replica_actor_names
+from tests.drills.conftest import write_artifact
+from tests.serve.conftest import wait_until
+from tests.serve.streaming import StreamResult, stream_completion
+
+pytestmark = pytest.mark.timeout(300)
+
+APP = "conveyor-drill-drain"
+ROUTE = "/drill-drain"
+
+
+@pytest.fixture
+def app_args(tiny_model_dir) -> dict[str, Any]:
+    return {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64, "max_num_seqs": 2,
+            "torch_num_threads": 1, "num_cpus": 1}
+
+
+@contextmanager
+def declared_app(args: dict[str, Any], num_replicas: int) -> Iterator[Callable[[dict[str, Any], int], None]]:
+    """Deploy as `serve deploy` would; yield apply(args, num_replicas) to change it. The replica count is a
+    deployment override (a lightweight update); anything under `args` is a new version (a rolling restart)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _get_global_client()
+
+    def apply(app_args: dict[str, Any], replicas: int) -> None:
+        app = {"name": APP, "route_prefix": ROUTE, "import_path": "conveyor.router.app:build_app",
+               "args": app_args, "deployments": [{"name": "EngineReplica", "num_replicas": replicas}]}
+        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+    apply(args, num_replicas)
+    try:
+        wait_until(lambda: app_running() and len(replica_actor_names(APP)) == num_replicas, 120,
+                   "the declared application to run", 0.25)
+        yield apply
+    finally:
+        serve.delete(APP)
+
+
+def app_running() -> bool:
+    app = serve.status().applications.get(APP)
+    return app is not None and app.status == "RUNNING"
+
+
+def ingress_counter(base_url: str, name: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def load_until_both_busy(pool: ThreadPoolExecutor, url: str, num_requests: int, max_tokens: int,
+                         min_per_replica: int = 2) -> list[Any]:
+    """Start the streams; return once each of the two replicas streams min_per_replica (2: a full batch)."""
+    started: Counter[str] = Counter()
+    both_busy = threading.Event()
+    lock = threading.Lock()
+
+    def note_start(replica: str) -> None:
+        with lock:
+            started[replica] += 1
+            if len(started) == 2 and min(started.values()) >= min_per_replica:
+                both_busy.set()
+
+    futures = [pool.submit(stream_completion, url, f"drain {i} " * 4, max_tokens, note_start, 180)
+               for i in range(num_requests)]
+    if not both_busy.wait(timeout=60):
+        ended = [f.result() for f in futures if f.done()]
+        raise AssertionError(f"the replicas never both streamed {min_per_replica}: {started}, ended: {ended[:3]}")
+    return futures
+
+
+def wait_scaled_in(before: list[str], timeout_s: float) -> tuple[str, float]:
+    """The replica Serve stopped (its id as streams report it) and when its actor was gone."""
+    def one_left() -> list[str] | None:
+        names = replica_actor_names(APP)
+        return names if len(names) == 1 else None
+
+    names = wait_until(one_left, timeout_s, "the stopped replica to exit", 0.1)
+    victim = next(n for n in before if n not in names)
+    return victim.rsplit("#", 1)[-1], time.monotonic()
+
+
+def test_scale_in_finishes_running_streams_and_hands_back_the_queue(serve_cluster: str, app_args) -> None:
+    args = app_args | {"drain_timeout_s": 60}
+    url = serve_cluster + ROUTE
+    with declared_app(args, 2) as apply, ThreadPoolExecutor(12) as pool:
+        futures = load_until_both_busy(pool, url, 12, 400)
+        before = replica_actor_names(APP)
+        scaled_at = time.monotonic()
+        apply(args, 1)
+        victim_id, gone_at = wait_scaled_in(before, 120)
+        results: list[StreamResult] = [f.result(timeout=180) for f in futures]
+        handed_back = ingress_counter(url, "conveyor_requests_handed_back_total")
+        cut_counted = ingress_counter(url, "conveyor_requests_cut_total")
+    # Every request completes: the running ones on the stopped replica within its drain time, the queued ones
+    # handed to the other replica.
+    assert all(r.status == 200 and r.done and r.error is None for r in results), \
+        [(r.status, r.error) for r in results if r.error is not None or not r.done]
+    assert all(r.finish_reason == "length" and r.tokens == 400 for r in results)
+    finished_on_victim = sum(r.replica == victim_id for r in results)
+    assert finished_on_victim >= 2  # the full batch it was streaming when told to stop
+    assert handed_back >= 1 and cut_counted == 0
+    report = {"requests": len(results), "finished_on_stopped_replica": finished_on_victim,
+              "handed_back": handed_back, "stopped_replica_exit_s": round(gone_at - scaled_at, 2),
+              "drain_timeout_s": 60}
+    write_artifact("drain_scale_in", report)
+
+
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory):
+    # Streams that outlast a 2 s drain: the tiny model writes its 512-token context in about a second.
+    from tests.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_position_embeddings=2048)
+
+
+def test_streams_past_the_drain_limit_end_with_an_error_event_and_are_counted(serve_cluster: str, app_args,
+                                                                              long_context_model_dir) -> None:
+    args = app_args | {"model": str(long_context_model_dir), "num_kv_blocks": 300, "drain_timeout_s": 2}
+    url = serve_cluster + ROUTE
+    with declared_app(args, 2) as apply, ThreadPoolExecutor(4) as pool:
+        futures = load_until_both_busy(pool, url, 4, 2000, min_per_replica=1)
+        before = replica_actor_names(APP)
+        scaled_at = time.monotonic()
+        apply(args, 1)
+        victim_id, gone_at = wait_scaled_in(before, 60)
+        results = [f.result(timeout=240) for f in futures]
+        cut_counted = ingress_counter(url, "conveyor_requests_cut_total")
+    cut = [r for r in results if r.error is not None]
+    finished = [r for r in results if r.error is None]
+    assert all(r.status == 200 and r.done for r in results), [(r.status, r.error) for r in results]
+    # Cut: only what the stopped replica was streaming (its batch, or two if slots turned over meanwhile).
+    assert 1 <= len(cut) <= 4, [(r.replica, r.chunks) for r in cut]
+    assert all(r.replica == victim_id and r.chunks >= 1 for r in cut)
+    assert all(r.finish_reason == "length" and r.tokens == 2000 for r in finished)
+    assert cut_counted == len(cut)
+    write_artifact("drain_past_limit", {"requests": len(results), "cut_streams": len(cut),
+                                        "cut_counted": cut_counted, "drain_timeout_s": 2,
+                                        "stopped_replica_exit_s": round(gone_at - scaled_at, 2)})
+
+
+def closed_loop(url: str, stop: threading.Event, samples: list[tuple[float, float, StreamResult]],
+                client: int) -> None:
+    i = 0
+    while not stop.is_set():
+        start = time.monotonic()
+        result = stream_completion(url, f"client {client} request {i} " * 3, 40)
+        samples.append((start, time.monotonic(), result))
+        i += 1
+
+
+def test_rolling_update_under_load_fails_no_request(serve_cluster: str, app_args) -> None:
+    args = app_args | {"drain_timeout_s": 30}
+    url = serve_cluster + ROUTE
+    samples: list[tuple[float, float, StreamResult]] = []
+    stop = threading.Event()
+    with declared_app(args, 2) as apply, ThreadPoolExecutor(4) as pool:
+        before = replica_actor_names(APP)
+        futures = [pool.submit(closed_loop, url, stop, samples, c) for c in range(4)]
+        time.sleep(4.0)  # steady state
+        update_at = time.monotonic()
+        apply(args | {"max_num_seqs": 3}, 2)  # a changed engine setting: every replica is replaced
+        wait_until(lambda: app_running() and len(names := replica_actor_names(APP)) == 2
+                   and not set(names) & set(before), 180, "the rolling update to finish", 0.25)
+        updated_at = time.monotonic()
+        time.sleep(3.0)  # the new replicas take the load
+        stop.set()
+        for f in futures:
+            f.result(timeout=120)
+        after = replica_actor_names(APP)
+        targets = httpx.get(url + "/metrics/targets", timeout=10).json()
+    failed = [r for _, _, r in samples if r.status != 200 or not r.done or r.error is not None]
+    assert not failed, [(r.status, r.error) for r in failed]
+    assert all(r.finish_reason == "length" and r.tokens == 40 for _, _, r in samples)
+    new_ids = {n.rsplit("#", 1)[-1] for n in after}
+    assert any(r.replica in new_ids for s, _, r in samples if s >= updated_at)
+    # Prometheus follows the change: service discovery lists the new engine replicas, not the old ones.
+    engines = {t["labels"].get("replica") for t in targets if t["labels"].get("conveyor_role") == "engine"}
+    assert engines == new_ids, (engines, new_ids)
+    steady = [e - s for s, e, _ in samples if e < update_at]
+    during = [e - s for s, e, _ in samples if e >= update_at and s <= updated_at]
+    report = {"requests": len(samples), "failed": len(failed), "update_s": round(updated_at - update_at, 2),
+              "steady_p50_s": round(percentile(steady, 0.5), 3), "steady_p99_s": round(percentile(steady, 0.99), 3),
+              "update_requests": len(during), "update_p50_s": round(percentile(during, 0.5), 3),
+              "update_p99_s": round(percentile(during, 0.99), 3)}
+    write_artifact("rolling_update", report)
+    assert len(steady) >= 5 and len(during) >= 5, report
