@@ -105,7 +105,9 @@ def exposed_series_names() -> set[str]:
     return names
 
 
-ENGINE_FAMILIES = tuple(family_name(m) for m in METRICS if m not in FLEET_METRICS)
+INGRESS_METRICS = (REQUESTS_CUT, REQUESTS_HANDED_BACK)  # counted where the request's stream is, not by an engine
+ENGINE_FAMILIES = tuple(family_name(m) for m in METRICS if m not in FLEET_METRICS + INGRESS_METRICS)
+INGRESS_FAMILIES = tuple(family_name(m) for m in INGRESS_METRICS)
 
 # Per-request timestamps for requests not seen for this long are dropped: an aborted request never sends
 # a finished output, and its entry must not live forever.

@@ -204,7 +204,8 @@ def test_rolling_update_under_load_fails_no_request(serve_cluster: str, app_args
     steady = [e - s for s, e, _ in samples if e < update_at]
     during = [e - s for s, e, _ in samples if e >= update_at and s <= updated_at]
     report = {"requests": len(samples), "failed": len(failed), "update_s": round(updated_at - update_at, 2),
-              "steady_p50_s": round(percentile(steady, 0.5), 3), "steady_p99_s": round(percentile(steady, 0.99), 3),
+              "steady_requests": len(steady), "steady_p50_s": round(percentile(steady, 0.5), 3),
+              "steady_p99_s": round(percentile(steady, 0.99), 3),
               "update_requests": len(during), "update_p50_s": round(percentile(during, 0.5), 3),
               "update_p99_s": round(percentile(during, 0.99), 3)}
     write_artifact("rolling_update", report)

@@ -24,7 +24,9 @@ DRAIN_S = 2.0  # a wedged engine finishes nothing: waiting Serve's default 20 s 
 
 
 def running_replicas() -> int:
-    return serve.status().applications[APP].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+    app = serve.status().applications.get(APP)
+    engine = app.deployments.get("EngineReplica") if app is not None else None
+    return engine.replica_states.get("RUNNING", 0) if engine is not None else 0
 
 
 def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model_dir) -> None:
@@ -32,9 +34,23 @@ def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model
             "torch_num_threads": 1, "engine_stall_timeout_s": STALL_TIMEOUT_S,
             "health_check_period_s": HEALTH_PERIOD_S, "drain_timeout_s": DRAIN_S, "test_hooks": True}
     url = serve_cluster + "/drill-wedge"
-    with deploy(args, APP, "/drill-wedge"):
+    probes: list[tuple[int, int]] = []  # (/ready status, engine replicas RUNNING right after), while deploying
+
+    def probe_readiness() -> None:
+        try:
+            status = httpx.get(url + "/ready", timeout=5).status_code
+        except httpx.HTTPError:
+            return  # the ingress is not listening yet
+        probes.append((status, running_replicas()))
+
+    with deploy(args, APP, "/drill-wedge", while_waiting=probe_readiness):
         ready = httpx.get(url + "/ready", timeout=30)
         assert ready.status_code == 200 and ready.json()["ready"] is True, ready.text
+        # Readiness: 503 while the engine loads (the ingress is up before it), and never 200 before an engine
+        # replica runs. 404: the proxy has no route to the application yet.
+        assert {status for status, _ in probes} <= {200, 404, 503}, probes
+        assert any(status == 503 for status, _ in probes), probes
+        assert all(num_running >= 1 for status, num_running in probes if status == 200), probes
         (victim,) = replica_actor_names(APP)
         engine_handle(APP).stall_engine_for_test.remote(STALL_S).result(timeout_s=10)
         stalled_at = time.monotonic()
@@ -60,4 +76,5 @@ def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model
         "stall_to_new_replica_running_s": round(replaced_at - stalled_at, 2),
         "stall_to_wedged_replica_gone_s": round(victim_gone_at - stalled_at, 2),
         "stall_to_serving_again_s": round(served_at - stalled_at, 2),
-        "stuck_request_status": stuck_status})
+        "stuck_request_status": stuck_status,
+        "readiness_while_deploying": {str(code): sum(s == code for s, _ in probes) for code in (404, 503, 200)}})

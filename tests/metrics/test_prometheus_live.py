@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conveyor.serving.metrics import ENGINE_FAMILIES, FLEET_METRICS, family_name
+from conveyor.serving.metrics import ENGINE_FAMILIES, FLEET_METRICS, INGRESS_FAMILIES, family_name
 from tests.metrics.conftest import Prometheus, deploy, start_prometheus, stop_prometheus, wait_for
 from tests.metrics.dashboards_util import DASHBOARDS, exprs, load, substitute
 
@@ -89,6 +89,9 @@ def test_prometheus_sees_both_replicas_and_every_dashboard_query(base_url: str, 
     for family in ENGINE_FAMILIES:
         result = prom.query(f'{{__name__=~"{family}|{family}_bucket", model="{MODEL}"}}')
         assert {s["metric"]["replica"] for s in result} == engines, family
+    for family in INGRESS_FAMILIES:  # the ingress's own counters, exposed (at 0) from its start
+        result = prom.query(f'{family}{{model="{MODEL}"}}')
+        assert result and all(s["metric"]["conveyor_role"] == "ingress" for s in result), (family, result)
     for metric in FLEET_METRICS:
         result = wait_for(lambda m=metric: prom.query(f'{family_name(m)}{{model="{MODEL}"}}'), 20,
                           family_name(metric))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,11 +81,13 @@ def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 
 
 @contextmanager
 def deploy(args: dict[str, Any], name: str, route_prefix: str,
-           timeout_s: float = DEPLOY_TIMEOUT_S, wait: bool = True) -> Iterator[None]:
+           timeout_s: float = DEPLOY_TIMEOUT_S, wait: bool = True,
+           while_waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """Deploy build_app(args) as application `name` at `route_prefix`; delete it on exit.
 
     wait=False: return once the ingress exists (for apps whose engine never comes up); the delete then does
-    not block either, since Serve waits ~20 s on a replica that was never placed.
+    not block either, since Serve waits ~20 s on a replica that was never placed. `while_waiting` is called
+    at every poll until the application runs (to watch what a client sees meanwhile).
     """
     from ray.serve.api import _run  # serve.run without blocking, so the wait below has a deadline
 
@@ -94,8 +96,12 @@ def deploy(args: dict[str, Any], name: str, route_prefix: str,
     _run(build_app(args), name=name, route_prefix=route_prefix, _blocking=False)
     try:
         if wait:
-            wait_until(lambda: _app_status(name) == "RUNNING", timeout_s, f"application {name} to run",
-                       interval_s=0.25)
+            def running() -> bool:
+                if while_waiting is not None:
+                    while_waiting()
+                return _app_status(name) == "RUNNING"
+
+            wait_until(running, timeout_s, f"application {name} to run", interval_s=0.25)
         yield
     finally:
         serve.delete(name, _blocking=wait)
