@@ -38,7 +38,7 @@ class ApiError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers or {}
-        self.counted = False  # True when an engine replica refused the request and counted it already
+        self.counted = False  # True when counted elsewhere: by the engine replica that refused it, or as cut
 
     def response(self) -> JSONResponse:
         if not self.counted:
@@ -46,7 +46,8 @@ class ApiError(Exception):
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
                             headers=self.headers)
 
-    def from_replica(self) -> ApiError:
+    def already_counted(self) -> ApiError:
+        """Not counted again as a rejection when answered."""
         self.counted = True
         return self
 

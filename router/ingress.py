@@ -224,8 +224,8 @@ class Ingress:
                 states[i].update(record)
         except Exception as exc:
             logger.warning("request failed mid-generation: %r", exc)
-            self._count_cut()  # counted as cut, not again as a rejection
-            raise ApiError.server("a replica failed while generating; retry the request").from_replica() from None
+            self._count_cut()
+            raise ApiError.server("a replica failed while generating; retry the request").already_counted() from None
         finally:
             for s in started:
                 s.cancel()

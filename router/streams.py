@@ -105,9 +105,9 @@ def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:
         return record
     if kind == "queue_full":  # the replica counted these (conveyor_requests_rejected_total)
         raise ApiError.too_many(f"server is at capacity: {record['message']}",
-                                record.get("retry_after_s", 1.0)).from_replica()
+                                record.get("retry_after_s", 1.0)).already_counted()
     if kind == "invalid_request":
-        raise ApiError.invalid(record["message"], param="prompt", code="invalid_prompt").from_replica()
+        raise ApiError.invalid(record["message"], param="prompt", code="invalid_prompt").already_counted()
     raise ApiError.server(record.get("message", "replica error"))
 
 

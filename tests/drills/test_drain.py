@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from ray import serve
 from benchmarks.soak import percentile, replica_actor_names
 from tests.drills.conftest import write_artifact
 from tests.serve.conftest import wait_until
-from tests.serve.streaming import StreamResult, stream_completion
+from tests.serve.streaming import Sample, StreamResult, StreamStarts, closed_loop, stream_completion
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,21 +74,13 @@ def ingress_counter(base_url: str, name: str) -> float:
 def load_until_both_busy(pool: ThreadPoolExecutor, url: str, num_requests: int, max_tokens: int,
                          min_per_replica: int = 2) -> list[Any]:
     """Start the streams; return once each of the two replicas streams min_per_replica (2: a full batch)."""
-    started: Counter[str] = Counter()
-    both_busy = threading.Event()
-    lock = threading.Lock()
-
-    def note_start(replica: str) -> None:
-        with lock:
-            started[replica] += 1
-            if len(started) == 2 and min(started.values()) >= min_per_replica:
-                both_busy.set()
-
-    futures = [pool.submit(stream_completion, url, f"drain {i} " * 4, max_tokens, note_start, 180)
+    starts = StreamStarts()
+    futures = [pool.submit(stream_completion, url, f"drain {i} " * 4, max_tokens, starts.note, 180)
                for i in range(num_requests)]
-    if not both_busy.wait(timeout=60):
+    if not starts.wait_for(lambda counts: len(counts) == 2 and min(counts.values()) >= min_per_replica, 60):
         ended = [f.result() for f in futures if f.done()]
-        raise AssertionError(f"the replicas never both streamed {min_per_replica}: {started}, ended: {ended[:3]}")
+        raise AssertionError(f"the replicas never both streamed {min_per_replica}: {starts.counts}, "
+                             f"ended: {ended[:3]}")
     return futures
 
 
@@ -163,24 +154,14 @@ def test_streams_past_the_drain_limit_end_with_an_error_event_and_are_counted(se
                                         "stopped_replica_exit_s": round(gone_at - scaled_at, 2)})
 
 
-def closed_loop(url: str, stop: threading.Event, samples: list[tuple[float, float, StreamResult]],
-                client: int) -> None:
-    i = 0
-    while not stop.is_set():
-        start = time.monotonic()
-        result = stream_completion(url, f"client {client} request {i} " * 3, 40)
-        samples.append((start, time.monotonic(), result))
-        i += 1
-
-
 def test_rolling_update_under_load_fails_no_request(serve_cluster: str, app_args) -> None:
     args = app_args | {"drain_timeout_s": 30}
     url = serve_cluster + ROUTE
-    samples: list[tuple[float, float, StreamResult]] = []
+    samples: list[Sample] = []
     stop = threading.Event()
     with declared_app(args, 2) as apply, ThreadPoolExecutor(4) as pool:
         before = replica_actor_names(APP)
-        futures = [pool.submit(closed_loop, url, stop, samples, c) for c in range(4)]
+        futures = [pool.submit(closed_loop, url, stop, samples, c, 40) for c in range(4)]
         time.sleep(4.0)  # steady state
         update_at = time.monotonic()
         apply(args | {"max_num_seqs": 3}, 2)  # a changed engine setting: every replica is replaced
@@ -193,16 +174,16 @@ def test_rolling_update_under_load_fails_no_request(serve_cluster: str, app_args
             f.result(timeout=120)
         after = replica_actor_names(APP)
         targets = httpx.get(url + "/metrics/targets", timeout=10).json()
-    failed = [r for _, _, r in samples if r.status != 200 or not r.done or r.error is not None]
+    failed = [s.result for s in samples if s.result.status != 200 or not s.result.done or s.result.error is not None]
     assert not failed, [(r.status, r.error) for r in failed]
-    assert all(r.finish_reason == "length" and r.tokens == 40 for _, _, r in samples)
+    assert all(s.result.finish_reason == "length" and s.result.tokens == 40 for s in samples)
     new_ids = {n.rsplit("#", 1)[-1] for n in after}
-    assert any(r.replica in new_ids for s, _, r in samples if s >= updated_at)
+    assert any(s.result.replica in new_ids for s in samples if s.start >= updated_at)
     # Prometheus follows the change: service discovery lists the new engine replicas, not the old ones.
     engines = {t["labels"].get("replica") for t in targets if t["labels"].get("conveyor_role") == "engine"}
     assert engines == new_ids, (engines, new_ids)
-    steady = [e - s for s, e, _ in samples if e < update_at]
-    during = [e - s for s, e, _ in samples if e >= update_at and s <= updated_at]
+    steady = [s.end - s.start for s in samples if s.end < update_at]
+    during = [s.end - s.start for s in samples if s.end >= update_at and s.start <= updated_at]
     report = {"requests": len(samples), "failed": len(failed), "update_s": round(updated_at - update_at, 2),
               "steady_requests": len(steady), "steady_p50_s": round(percentile(steady, 0.5), 3),
               "steady_p99_s": round(percentile(steady, 0.99), 3),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 import ray
@@ -16,7 +15,7 @@ from ray import serve
 from benchmarks.soak import is_idle, percentile, replica_actor_names, wait_fleet_idle
 from tests.drills.conftest import write_artifact
 from tests.serve.conftest import deploy, wait_until
-from tests.serve.streaming import StreamResult, stream_completion
+from tests.serve.streaming import Sample, closed_loop
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,26 +32,9 @@ def base_url(serve_cluster: str, tiny_model_dir):
         yield serve_cluster + "/drill-kill"
 
 
-@dataclass
-class Sample:
-    start: float
-    end: float
-    result: StreamResult
-
-
 def running_replicas() -> int:
     deployment = serve.status().applications[APP].deployments["EngineReplica"]
     return deployment.replica_states.get("RUNNING", 0)
-
-
-def closed_loop(url: str, stop: threading.Event, samples: list[Sample], client: int) -> None:
-    """One client sending back-to-back streams until told to stop (bounded by the test timeout)."""
-    i = 0
-    while not stop.is_set():
-        start = time.monotonic()
-        result = stream_completion(url, f"client {client} request {i} " * 3, 30)
-        samples.append(Sample(start, time.monotonic(), result))
-        i += 1
 
 
 def test_fleet_recovers_after_replica_kill(base_url: str) -> None:
@@ -61,7 +43,7 @@ def test_fleet_recovers_after_replica_kill(base_url: str) -> None:
     samples: list[Sample] = []
     stop = threading.Event()
     with ThreadPoolExecutor(CLIENTS) as pool:
-        futures = [pool.submit(closed_loop, base_url, stop, samples, c) for c in range(CLIENTS)]
+        futures = [pool.submit(closed_loop, base_url, stop, samples, c, 30) for c in range(CLIENTS)]
         time.sleep(4.0)  # steady state on two replicas
         victim = before[0]
         killed_at = time.monotonic()

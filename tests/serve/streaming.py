@@ -3,6 +3,9 @@ the finish reason, an SSE error event, [DONE]. Shared by the replica tests and t
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,3 +56,38 @@ def stream_completion(url: str, prompt: str, max_tokens: int,
             result.chunks += 1  # a chunk may carry several tokens (a stream that fell behind catches up)
             result.finish_reason = event["choices"][0]["finish_reason"] or result.finish_reason
     return result
+
+
+class StreamStarts:
+    """Counts streams by the replica their first chunk came from (pass `note` as on_first_chunk) and wakes a
+    waiter once the counts satisfy its condition: kill or scale a replica while it is known to be streaming."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._changed = threading.Condition()
+
+    def note(self, replica: str) -> None:
+        with self._changed:
+            self.counts[replica] += 1
+            self._changed.notify_all()
+
+    def wait_for(self, condition: Callable[[Counter[str]], bool], timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self.counts), timeout_s)
+
+
+@dataclass
+class Sample:
+    start: float
+    end: float
+    result: StreamResult
+
+
+def closed_loop(url: str, stop: threading.Event, samples: list[Sample], client: int, max_tokens: int) -> None:
+    """One client sending back-to-back streams until told to stop (bounded by the test's timeout)."""
+    i = 0
+    while not stop.is_set():
+        start = time.monotonic()
+        result = stream_completion(url, f"client {client} request {i} " * 3, max_tokens)
+        samples.append(Sample(start, time.monotonic(), result))
+        i += 1

@@ -2,15 +2,13 @@
 not started streaming (those are retried on the other); streams cut mid-way end with an SSE error event."""
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
 from tests.serve.conftest import deploy
-from tests.serve.streaming import stream_completion
+from tests.serve.streaming import StreamStarts, stream_completion
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,19 +41,12 @@ def test_both_replicas_serve_traffic(base_url: str) -> None:
 def test_killing_a_replica_loses_no_unstarted_request(base_url: str) -> None:
     victim = replica_actor_names()[0]
     victim_id = victim.rsplit("#", 1)[-1]
-    started: Counter[str] = Counter()
-    victim_full = threading.Event()
-
-    def note_start(replica: str) -> None:
-        started[replica] += 1
-        if started[victim_id] >= 2:
-            victim_full.set()
-
+    starts = StreamStarts()
     with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(stream_completion, base_url, f"load {i} " * 4, 150, note_start) for i in range(16)]
+        futures = [pool.submit(stream_completion, base_url, f"load {i} " * 4, 150, starts.note) for i in range(16)]
         # Kill as soon as the victim streams a full batch (2), while the rest wait in queues: a fixed sleep raced
         # the tiny model, whose first streams could finish and free their slots just before the kill.
-        assert victim_full.wait(timeout=60), started
+        assert starts.wait_for(lambda counts: counts[victim_id] >= 2, 60), starts.counts
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         results = [f.result(timeout=180) for f in futures]
     cut = [r for r in results if r.error is not None]
