@@ -86,7 +86,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"
-    # CPU float32 only: pre-pack weights for oneDNN (2x faster decode steps; see models/cpu_packing.py).
+    # CPU float32, and bfloat16 where the CPU has native bf16: pre-pack weights for oneDNN (see models/cpu_packing.py).
     cpu_weight_packing: bool = True
     # CUDA only (ignored on CPU): replay captured CUDA graphs for pure-decode steps (see cuda_graphs.py).
     enable_cuda_graphs: bool = True

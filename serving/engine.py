@@ -15,7 +15,7 @@ from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
-from conveyor.serving.models.cpu_packing import cpu_weight_packing_available
+from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.output_processor import CoreOutput, OutputProcessor
@@ -53,8 +53,7 @@ class LLMEngine:
             config.model.model, self.dtype, self.device, self.attention_backend)
         hf = self.hf_config
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        if (config.cpu_weight_packing and self.device.type == "cpu" and self.dtype == torch.float32
-                and cpu_weight_packing_available()):
+        if config.cpu_weight_packing and self.device.type == "cpu" and self.dtype in packable_dtypes():
             self.model.pack_for_cpu()
         self.num_gguf_linears = self._attach_gguf_weights(config.gguf_max_rows)
         context_len = getattr(hf, "max_position_embeddings", 2048)

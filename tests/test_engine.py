@@ -163,3 +163,19 @@ def test_logprobs_are_returned_per_generated_token(tiny_model_dir):
         assert len(entry.top_logprobs) == 3
         # Greedy: the sampled token is the most likely one.
         assert max(entry.top_logprobs.values()) == pytest.approx(entry.logprob)
+
+
+def test_bfloat16_engine_on_cpu(tiny_model_dir):
+    """dtype bfloat16 on CPU runs through chunked prefill and decodes: KV cache in bf16, linears packed for oneDNN
+    where the CPU multiplies bf16 natively, every request to its length, every block back. (Its logits against
+    transformers: tests/test_model.py.)"""
+    from conveyor.serving.models.cpu_packing import PackedLinear, packable_dtypes
+
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
+    engine = llm.engine
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    assert packed == (torch.bfloat16 in packable_dtypes())
+    results = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert [len(r.token_ids) for r in results] == [9] * len(PROMPTS)
+    assert engine.kv_cache.num_free_blocks == 256

@@ -83,12 +83,14 @@ class Seq:
 class Harness:
     """Builds the step tensors by hand (what the model runner will do) and runs our model."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = NUM_BLOCKS,
+                 dtype: torch.dtype = torch.float32) -> None:
         cfg = model.config
         attn = model.model.layers[0].self_attn
         shape = (num_blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
         self.model = model
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(cfg.num_hidden_layers)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
 
     def new_seq(self, tokens: list[int]) -> Seq:
@@ -266,3 +268,34 @@ def test_cpu_backend_matches_transformers(tiny):
     out_b, out_a = h.step([(b, 1), (a, 9)])  # mixed: decode row to C++, prefill rows to SDPA
     assert_rows_match(hf, b, out_b)
     assert_rows_match(hf, a, out_a)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bfloat16_on_cpu_matches_transformers(tiny, backend):
+    """bfloat16 on CPU (with oneDNN-packed bf16 linears where the CPU multiplies bf16 natively): the rope tables
+    stay float32 through model.to(bfloat16), and prefill, chunked prefill and decodes match transformers run in
+    bfloat16 to within bf16 rounding (summation orders differ)."""
+    from conveyor.kernels import cpu_ext
+    from conveyor.serving.models.cpu_packing import packable_dtypes
+
+    if backend == "cpu" and not cpu_ext.is_available():
+        pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}")
+    _, hf32, path = tiny
+    ours, _, _ = load_model(str(path), torch.bfloat16, torch.device("cpu"), attention_backend=backend)
+    assert ours.model.rotary_emb.cos.dtype == torch.float32
+    if torch.bfloat16 in packable_dtypes():
+        assert ours.pack_for_cpu() > 0
+    hf = type(hf32)(hf32.config).eval()
+    hf.load_state_dict(hf32.state_dict())
+    hf = hf.to(torch.bfloat16)
+    h = Harness(ours, dtype=torch.bfloat16)
+    seq = h.new_seq(_prompt(13, 1))
+    for chunk in (6, 7):
+        (logits,) = h.step([(seq, chunk)])
+        expected = hf_logits(hf, seq.tokens[:seq.computed])[-chunk:]
+        torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
+    for token in (5, 6, 7):
+        seq.tokens.append(token)
+        (logits,) = h.step([(seq, 1)])
+        expected = hf_logits(hf, seq.tokens[:seq.computed])[-1:]
+        torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)

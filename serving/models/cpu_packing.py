@@ -18,6 +18,17 @@ def cpu_weight_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """float32 always; bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX). There oneDNN's packed
+    bfloat16 runs SmolLM2's linears at ~2x its packed float32 rate and 1.3x an unpacked bfloat16 linear (Zen 5:
+    841 / 447 / 627 GFLOP/s at M=64). Elsewhere bfloat16 is emulated and far slower than float32 anyway."""
+    if not cpu_weight_packing_available():
+        return ()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -35,13 +46,14 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every float32 nn.Linear under module with a PackedLinear, in place; returns how many."""
+def pack_linears(module: nn.Module, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    """Replace every nn.Linear under module whose weight is of one of `dtypes` with a PackedLinear, in place;
+    returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32:
+        if isinstance(child, nn.Linear) and child.weight.dtype in dtypes:
             setattr(module, name, PackedLinear.from_linear(child))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, dtypes)
     return count

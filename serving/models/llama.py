@@ -78,6 +78,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's own signature
+        # `model.to(bfloat16)` casts buffers too; the tables stay float32, as transformers computes them (it
+        # rounds cos/sin to the activations' dtype per step, forward() below; the fused CPU kernel does too).
+        super()._apply(fn, recurse)
+        self.cos, self.sin = self.cos.float(), self.sin.float()
+        return self
+
     def _tables(self) -> tuple[Tensor, Tensor]:
         inv_freq = rope_inv_freq(self.config)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
@@ -249,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self) -> int:
         """Re-lay every projection out for oneDNN (see cpu_packing.py); returns the number packed.
         Tied logits get their own packed copy: the embedding lookup still needs the plain table."""
-        count = pack_linears(self)
+        count = pack_linears(self, (self.model.embed_tokens.weight.dtype,))
         if self.lm_head is None:
             self.packed_logits = PackedLinear(self.model.embed_tokens.weight, None)
             count += 1
