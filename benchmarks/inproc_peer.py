@@ -41,14 +41,14 @@ def make_workload(spec: str, num_requests: int, seed: int) -> list:
 
 
 def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, seed: int,
-           workload: str = "long-tail") -> dict:
+           workload: str = "long-tail", dtype: str = "float32") -> dict:
     """Runs inside the measured process: only the system under test and workload.py are imported."""
     items = make_workload(workload, num_requests, seed)
     prompts = [i.prompt_token_ids for i in items]
     if system == "vllm":
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, max_num_seqs=max_num_seqs, seed=0)
+        llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, max_num_seqs=max_num_seqs, seed=0)
         params = [SamplingParams(max_tokens=i.max_tokens, temperature=0.0, ignore_eos=True) for i in items]
 
         def run(ps: list, sps: list) -> list[int]:
@@ -57,7 +57,7 @@ def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, se
     else:
         from conveyor.serving import LLM, SamplingParams
 
-        llm = LLM(model_dir, max_num_seqs=max_num_seqs)
+        llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype)
         params = [SamplingParams(max_tokens=i.max_tokens, temperature=0.0, ignore_eos=True) for i in items]
 
         def run(ps: list, sps: list) -> list[int]:
@@ -96,7 +96,8 @@ def work_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> 
 def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_seqs: int, num_requests: int) -> dict:
     cmd = [sys.executable if system == "conveyor" else args.vllm_python, str(Path(__file__).resolve()),
            "--worker", system, "--model-dir", model_dir, "--max-num-seqs", str(max_num_seqs),
-           "--num-requests", str(num_requests), "--seed", str(args.seed), "--workload", args.workload]
+           "--num-requests", str(num_requests), "--seed", str(args.seed), "--workload", args.workload,
+           "--dtype", args.dtype]
     env = os.environ.copy()
     if system == "vllm":
         sys.path.insert(0, str(ROOT))
@@ -117,6 +118,8 @@ def main() -> None:
     parser.add_argument("--num-requests", default="8,64", help="per max batch, in the same order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", default="long-tail", help="long-tail, or fixed:IN:OUT (tokens)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both systems (bfloat16: fast only where the CPU has native bf16)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -124,17 +127,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         result = worker(args.worker, args.model_dir, int(args.max_num_seqs), int(args.num_requests), args.seed,
-                        args.workload)
+                        args.workload, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
     sys.path.insert(0, str(ROOT))
-    from benchmarks.roofline import matmul_flops
+    import torch
+
+    from benchmarks.roofline import linear_flops, matmul_flops, model_linear_shapes
     from conveyor.serving.models.loader import resolve_model_path
 
     model_dir = str(resolve_model_path("smollm2"))
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    gemm = matmul_flops()
-    print(f"fp32 GEMM (1024^3, this run): {gemm / 1e9:.1f} GFLOP/s; workload {args.workload}")
+    dtype = getattr(torch, args.dtype)
+    square = matmul_flops(dtype=dtype)
+    gemm = max(square, linear_flops(model_linear_shapes(config), dtype=dtype))
+    print(f"{args.dtype} GEMM rate (this run): {gemm / 1e9:.1f} GFLOP/s, the best of the model's linears at 512 rows "
+          f"(oneDNN packed or MKL) and a 1024^3 torch.mm ({square / 1e9:.1f}); workload {args.workload}")
     rows = []
     for max_num_seqs, num_requests in zip(args.max_num_seqs.split(","), args.num_requests.split(","), strict=True):
         by_system = {}
@@ -154,7 +162,8 @@ def main() -> None:
             ratio = by_system["conveyor"]["output_tok_per_s"] / by_system["vllm"]["output_tok_per_s"]
             print(f"max batch {max_num_seqs:>3}: Conveyor / vLLM = {ratio:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"gemm_gflops": gemm / 1e9, "workload": args.workload,
+        args.json.write_text(json.dumps({"gemm_gflops": gemm / 1e9, "square_mm_gflops": square / 1e9,
+                                         "dtype": args.dtype, "workload": args.workload,
                                          "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=1))
 
 

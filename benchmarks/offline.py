@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import copy_bandwidth, decode_step_floor, matmul_flops  # noqa: E402
+from roofline import copy_bandwidth, decode_step_floor, linear_flops, matmul_flops, model_linear_shapes  # noqa: E402
 from workload import WorkItem, long_tail_workload  # noqa: E402
 
 from conveyor.serving import LLM, SamplingParams  # noqa: E402
@@ -120,7 +120,8 @@ def main() -> None:
 
 
 def roofline_report(llm: LLM) -> dict:
-    flops, bandwidth = matmul_flops(), copy_bandwidth()
+    hf = llm.engine.hf_config.to_dict()
+    flops, bandwidth = max(matmul_flops(), linear_flops(model_linear_shapes(hf))), copy_bandwidth()
     num_params = llm.engine.num_params
     steps = decode_step_times(llm, [1, 16])
     print(f"roofline: fp32 matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "

@@ -70,15 +70,18 @@ def start_conveyor(args: argparse.Namespace, port: int) -> subprocess.Popen:
         key, _, value = pair.partition("=")
         env[key] = value
     argv = [str(ROOT / ".venv" / "bin" / "conveyor"), "serve", "--port", str(port), *args.conveyor_arg]
+    if args.dtype != "float32":  # float32 is what `conveyor serve` runs on CPU by default
+        argv += ["--dtype", args.dtype]
     return start_server("conveyor", argv, env)
 
 
 def start_vllm(args: argparse.Namespace, port: int) -> subprocess.Popen:
     py = args.vllm_python
     env = vllm_env(py, os.cpu_count() or 1)
-    # fp32: bf16 matmuls are unusably slow on this CPU (design.md 4); everything else at vLLM's defaults.
+    # Both servers at one dtype (--dtype: float32 by default, Conveyor's CPU default); everything else at vLLM's
+    # defaults.
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(args.model), "--port", str(port),
-            "--host", "127.0.0.1", "--served-model-name", args.model, "--dtype", "float32",
+            "--host", "127.0.0.1", "--served-model-name", args.model, "--dtype", args.dtype,
             "--max-model-len", "2048", "--disable-uvicorn-access-log"]
     return start_server("vllm", argv, env)
 
@@ -163,7 +166,7 @@ def run_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
     from conveyor.serving import LLM, SamplingParams
 
     rows = json.loads(Path(prompts_file).read_text())
-    llm = LLM(model=args.model)  # the defaults `conveyor serve` uses: max_num_seqs 64, 512-token budget
+    llm = LLM(model=args.model, dtype=args.dtype)  # `conveyor serve` defaults: max_num_seqs 64, 512-token budget
     params = [SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True) for r in rows]
     llm.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up, as the servers got one
     before = snapshot(client_pids={os.getpid()})
@@ -186,7 +189,8 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
     from conveyor.bench.workload import BenchRequest, arrival_offsets
 
     rows = json.loads(Path(prompts_file).read_text())
-    engine = make_engine(args.model, max_num_batched_tokens=512, max_num_seqs=64)  # `conveyor serve` defaults
+    engine = make_engine(args.model, max_num_batched_tokens=512, max_num_seqs=64,  # `conveyor serve` defaults
+                         dtype=args.dtype)
     try:
         reqs = [BenchRequest(engine.tokenize(r["prompt"]), r["output_len"]) for r in rows]
         asyncio.run(run_inproc(engine, reqs[:1], [0.0]))  # warm-up
@@ -241,6 +245,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="every target (bfloat16: fast only where the CPU has native bf16)")
     p.add_argument("--conveyor-arg", action="append", default=[], help="extra flag for `conveyor serve`")
     p.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for `conveyor serve`")
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))

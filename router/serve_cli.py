@@ -35,9 +35,10 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
     (benchmarks/RESULTS.md, "Session 5"). `--http-proxy` keeps Serve's proxy (several apps under one port).
     A value already in the environment wins.
     """
+    quiet = ray_background_env()
     if http_proxy:
-        return {}
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        return quiet
+    return quiet | {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             # The one ingress replica gets exactly the port asked for (Serve allocates from this range).
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
@@ -47,6 +48,17 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
             # The controller's loop at 10 Hz costs ~4.5% of a core while idle (measured); at 2 Hz ~2%. Scaling
             # decisions and deploy transitions come up to 0.4 s later, against policy delays of seconds.
             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+
+def ray_background_env() -> dict[str, str]:
+    """Slower reports from Ray's own bookkeeping, which a local server only needs for `ray` CLI views: an idle
+    `conveyor serve` then takes 0.069 cores instead of 0.089 (benchmarks/idle_cpu.py). On a small CPU machine each
+    CPU-second elsewhere costs the engine's OpenMP team about two (RESULTS.md, "Session 9"). Ray's own metrics
+    (ray_* series, not the conveyor_* ones, which replicas serve themselves) export every 60 s instead of 10;
+    task events (`ray list tasks`) every 10 s instead of 1; Serve's cached metrics every 1 s instead of 0.1; no
+    event-loop statistics in Ray's C++ components."""
+    return {"RAY_metrics_report_interval_ms": "60000", "RAY_task_events_report_interval_ms": "10000",
+            "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_event_stats": "0"}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

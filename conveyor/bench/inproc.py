@@ -13,8 +13,8 @@ from conveyor.serving.request import SamplingParams
 
 
 def make_engine(model: str = "smollm2", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
-                itl_slo_ms: float | None = None, min_prefill_tokens: int = 8) -> AsyncEngine:
-    cfg = EngineConfig(model=ModelConfig(model=model),
+                itl_slo_ms: float | None = None, min_prefill_tokens: int = 8, dtype: str = "auto") -> AsyncEngine:
+    cfg = EngineConfig(model=ModelConfig(model=model, dtype=dtype),
                        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                                  max_num_seqs=max_num_seqs, itl_slo_ms=itl_slo_ms,
                                                  min_prefill_tokens=min_prefill_tokens))
