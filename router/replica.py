@@ -7,6 +7,7 @@ and the ingress can map them straight onto HTTP statuses.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -127,6 +128,9 @@ class EngineReplica:
             self.metrics.observe_rejected("invalid_request")
             yield {"error": "invalid_request", "message": str(exc)}
             return
+        except asyncio.CancelledError:  # the client left before the first token: the engine stream's close
+            self._num_aborted += 1     # has aborted the request already
+            raise
         # Closing the engine stream aborts the request: this runs when the ingress cancels us (client gone).
         try:
             last = time.monotonic()

@@ -22,7 +22,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def base_url(serve_cluster: str, tiny_model_dir) -> Iterator[str]:
     args = {"model": str(tiny_model_dir), "served_model_name": MODEL, "num_kv_blocks": 64, "max_num_seqs": 8,
-            "torch_num_threads": 1, "request_router_class": None}
+            "torch_num_threads": 1, "request_router_class": None, "test_hooks": True}
     with deploy(args, APP, PREFIX):
         yield serve_cluster + PREFIX
 
@@ -266,6 +266,9 @@ def test_unset_max_tokens_is_capped_to_the_replica_kv_cache(base_url: str) -> No
 
 def test_disconnect_before_a_plain_response_aborts(base_url: str) -> None:
     before = engine_state(APP)["num_aborted"]
+    # The engine stops stepping for longer than the client waits, so the client leaves before the answer however
+    # fast the machine is (the tiny model writes 480 tokens in under 0.3 s on a 2-core Zen 5).
+    engine_handle(APP).stall_engine_for_test.remote(2.0).result(timeout_s=10)
     body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
