@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,6 +47,20 @@ BUILD_TIMEOUT_S = 600.0  # model conversion on first use can take minutes on a s
 QUERY_TIMEOUT_S = 30.0
 
 
+# How long an idle OpenMP thread of the engine spins before it sleeps (libgomp's default: 300 000 iterations, a few
+# hundred microseconds). Behind a server the engine shares the cores with the replica, the ingress, Ray and often
+# the client: a thread that spins at a barrier while its partner was preempted burns the core the preempting
+# process needs. A short spin gives it back: at saturation on 2 cores, 239 against 228 output tok/s and TTFT p50
+# 8.0 against 9.6 s (three interleaved runs each, benchmarks/RESULTS.md "Session 9"). A value already set wins.
+ENGINE_OMP_SPIN_COUNT = "10000"
+
+
+def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
+    env = dict(parent)
+    env.setdefault("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
+    return env
+
+
 class ProcessEngine:
     def __init__(self, config: EngineConfig, torch_num_threads: int | None = None) -> None:
         # A fresh interpreter on one end of a socket pair: fork would copy the parent's threads' locks mid-use,
@@ -54,7 +68,7 @@ class ProcessEngine:
         ours, theirs = socket.socketpair()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "conveyor.serving.engine_core_loop", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()])
+            pass_fds=[theirs.fileno()], env=engine_child_env(os.environ))
         theirs.close()  # only the child holds its end: it reads EOF when this process dies, and exits
         self._conn = Connection(ours.detach())
         self._conn.send(("start", config, torch_num_threads))

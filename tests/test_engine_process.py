@@ -179,3 +179,14 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by init) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_engine_process_spins_briefly_at_barriers(engine):
+    """Its OpenMP threads sleep after a short spin (engine_process.ENGINE_OMP_SPIN_COUNT), unless the environment
+    says otherwise."""
+    from conveyor.serving.engine_process import ENGINE_OMP_SPIN_COUNT, engine_child_env
+
+    environ = open(f"/proc/{engine._process.pid}/environ", "rb").read().split(b"\0")
+    expected = os.environ.get("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
+    assert f"GOMP_SPINCOUNT={expected}".encode() in environ
+    assert engine_child_env({"GOMP_SPINCOUNT": "5", "A": "b"}) == {"GOMP_SPINCOUNT": "5", "A": "b"}
