@@ -71,9 +71,22 @@ def ingress_counter(base_url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
 
 
+def wait_both_routable(url: str, timeout_s: float = 30.0) -> None:
+    """One-token requests until both replicas have answered one. The ingress's router learns a new deployment's
+    replicas some time after the controller calls it running; streams sent before that all went to one replica
+    (seen in a full suite run: 4 of 4), and the drill then waited in vain for the other to stream."""
+    seen = StreamStarts()
+    deadline = time.monotonic() + timeout_s
+    while len(seen.counts) < 2:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {dict(seen.counts)} answered within {timeout_s:.0f} s")
+        stream_completion(url, "warm up", 1, seen.note, 30)
+
+
 def load_until_both_busy(pool: ThreadPoolExecutor, url: str, num_requests: int, max_tokens: int,
                          min_per_replica: int = 2) -> list[Any]:
     """Start the streams; return once each of the two replicas streams min_per_replica (2: a full batch)."""
+    wait_both_routable(url)
     starts = StreamStarts()
     futures = [pool.submit(stream_completion, url, f"drain {i} " * 4, max_tokens, starts.note, 180)
                for i in range(num_requests)]
