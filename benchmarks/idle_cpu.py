@@ -7,13 +7,12 @@ settings, waits until it answers, samples every process's CPU time for --seconds
 started (by pid) before the next.
 
     .venv/bin/python benchmarks/idle_cpu.py                                   # the default server, 30 s
-    .venv/bin/python benchmarks/idle_cpu.py --variant old=CONVEYOR_RAY_TUNING=0 --variant new=
+    .venv/bin/python benchmarks/idle_cpu.py --variant default= --variant no_prestart=RAY_enable_worker_prestart=0
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,23 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import free_port  # noqa: E402
-from benchmarks.peer_serve import stop_all, wait_ready  # noqa: E402
+from benchmarks.peer_serve import start_conveyor, stop_all, wait_ready  # noqa: E402
 from benchmarks.proc_cpu import cpu_by_role, snapshot  # noqa: E402
 
 
 def measure(name: str, env_pairs: list[str], seconds: float, model: str) -> dict:
-    import subprocess
-    import tempfile
-
-    env = dict(os.environ)
-    for pair in env_pairs:
-        key, _, value = pair.partition("=")
-        env[key] = value
     port = free_port()
     before = set(snapshot())
-    log = open(Path(tempfile.gettempdir()) / f"idle_cpu_{name}.log", "w")  # noqa: SIM115 - the server's lifetime
-    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "conveyor"), "serve", "--port", str(port)],
-                            stdout=log, stderr=log, env=env, start_new_session=True)
+    proc = start_conveyor(argparse.Namespace(conveyor_env=env_pairs, conveyor_arg=[], dtype="float32"), port)
     try:
         wait_ready(f"http://127.0.0.1:{port}", model, proc, timeout_s=300)
         time.sleep(5.0)  # start-up work (compiles, first health checks) is not the steady background

@@ -77,12 +77,12 @@ def work_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> 
     """FLOPs of every processed token: 2 per weight of the layers for each token computed (prompt tokens and all
     but the last output token), the LM head for each sampled token, and attention's QK^T and PV over each
     token's causal context."""
+    from benchmarks.roofline import model_linear_shapes
+
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    kv_dim = config["num_key_value_heads"] * head_dim
-    per_layer = hidden * (heads * head_dim) * 2 + hidden * kv_dim * 2 + hidden * config["intermediate_size"] * 3
-    layer_flops = 2 * per_layer * layers
+    layer_flops = 2 * sum(n * k for n, k in model_linear_shapes(config)) * layers
     head_flops = 2 * hidden * config["vocab_size"]
     total = 0.0
     for prompt, output in zip(prompt_lens, output_lens, strict=True):

@@ -27,18 +27,15 @@ def linear_flops(shapes: list[tuple[int, int]], num_rows: int = 512, dtype: torc
     alone understates it where MKL takes a slow path: on AMD Zen 5, 148 against oneDNN's ~470 GFLOP/s fp32."""
     import torch.nn.functional as F
 
+    from conveyor.serving.models.cpu_packing import PackedLinear, packable_dtypes
+
     weights = [torch.randn(n, k, dtype=dtype) for n, k in shapes]
     inputs = [torch.randn(num_rows, k, dtype=dtype) for _, k in shapes]
     flops = sum(2 * num_rows * n * k for n, k in shapes)
     best = flops / _best_of(lambda: [F.linear(x, w) for x, w in zip(inputs, weights, strict=True)])
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        try:
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-        except RuntimeError:  # a dtype oneDNN cannot pack on this CPU
-            return best
-        run = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
-                       for x, w in zip(inputs, packed, strict=True)]
-        best = max(best, flops / _best_of(run))
+    if dtype in packable_dtypes():
+        packed = [PackedLinear(w, None) for w in weights]
+        best = max(best, flops / _best_of(lambda: [lin(x) for x, lin in zip(inputs, packed, strict=True)]))
     return best
 
 
