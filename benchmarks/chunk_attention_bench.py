@@ -1,8 +1,10 @@
-"""A prefill chunk's attention on CPU: the decode kernel row by row (ops.decode_rows, what backend "cpu" does for
-chunks up to ops.MAX_CHUNK_AS_DECODE_ROWS tokens) against gathering the context for SDPA (what it did before).
+"""A prefill chunk's attention on CPU: the decode kernel row by row (cpu_plan.decode_rows, what backend "cpu" does for
+chunks up to cpu_plan.MAX_CHUNK_AS_DECODE_ROWS tokens), our prefill kernel (csrc/cpu/prefill_attention_cpu.cpp, what
+it does for longer chunks) and gathering the context for torch's SDPA (the torch backend).
 
 SmolLM2 shapes (9 query heads : 3 KV heads, head_dim 64, block 16, float32), one layer, one chunk of q tokens
-ending at a context of c tokens. Prints median milliseconds per call, the speedup and the largest difference.
+ending at a context of c tokens. Prints median milliseconds per call, the speedups over SDPA and the largest
+difference from it.
 
     .venv/bin/python benchmarks/chunk_attention_bench.py [--threads 2] [--chunks 4 16 64 512] [--contexts ...]
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from conveyor.kernels import ops, torch_native
+from conveyor.kernels import cpu_plan, ops, torch_native
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -43,21 +45,29 @@ def main() -> None:
     key_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     value_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
-    print(f"{'context':>8} {'chunk':>6} {'sdpa+gather ms':>15} {'decode rows ms':>15} {'speedup':>8} {'max diff':>9}")
+    print(f"{'context':>8} {'chunk':>6} {'sdpa+gather ms':>15} {'decode rows ms':>15} {'prefill ms':>11} "
+          f"{'rows x':>7} {'prefill x':>9} {'max diff':>9}")
     for context in args.contexts:
         table = torch.randperm(num_blocks)[: -(-context // BLOCK)].to(torch.int32).unsqueeze(0)
         for chunk in (c for c in args.chunks if c <= context):
             query = torch.randn(chunk, HEADS, HEAD_DIM)
-            rows = ops.decode_rows(table, [chunk], [context])
+            rows = cpu_plan.decode_rows(table, [chunk], [context])
 
             sdpa = functools.partial(torch_native._prefill_one, query, key_cache, value_cache,  # noqa: SLF001
                                      table[0], context, scale)
             decode_rows = functools.partial(ops._cpu_ext().paged_decode, query, key_cache, value_cache,  # noqa: SLF001
                                             rows[0], rows[1], scale)
 
-            diff = (sdpa() - decode_rows()).abs().max().item()
-            before, after = median_ms(sdpa), median_ms(decode_rows)
-            print(f"{context:>8} {chunk:>6} {before:>15.3f} {after:>15.3f} {before / after:>7.1f}x {diff:>9.1e}")
+            lens = torch.tensor([context], dtype=torch.int32)
+            prefill = functools.partial(ops._cpu_ext().paged_prefill, query, key_cache, value_cache,  # noqa: SLF001
+                                        table, lens, torch.zeros(1, dtype=torch.int32),
+                                        torch.tensor([chunk], dtype=torch.int32), scale)
+
+            expected = sdpa()
+            diff = max((expected - f()).abs().max().item() for f in (decode_rows, prefill))
+            base, rows_ms, prefill_ms = median_ms(sdpa), median_ms(decode_rows), median_ms(prefill)
+            print(f"{context:>8} {chunk:>6} {base:>15.3f} {rows_ms:>15.3f} {prefill_ms:>11.3f} "
+                  f"{base / rows_ms:>6.1f}x {base / prefill_ms:>8.1f}x {diff:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def roofline_report(llm: LLM) -> dict:
         print(f"  decode step at batch {batch_size:>3}: {measured * 1e3:6.1f} ms measured, "
               f"{floor * 1e3:6.1f} ms floor of fp32 weights ({measured / floor:.2f}x the floor), "
               f"{batch_size / measured:6.1f} tok/s")
-        if block_params and batch_size <= llm.engine.config.gguf_max_rows:
+        if block_params and batch_size <= llm.engine.gguf_max_rows:
             # What the step reads when its linears use the GGUF blocks: their bytes plus the other fp32 weights.
             read = block_bytes + 4 * (num_params - block_params)
             byte_floor = max(read / bandwidth, 2 * num_params * batch_size / flops)

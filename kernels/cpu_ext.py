@@ -20,8 +20,8 @@ from types import ModuleType
 import torch
 
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
-SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp", _CSRC / "gguf_linear_cpu.cpp",
-           _CSRC / "token_bitmask_cpu.cpp"]
+SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
+           _CSRC / "gguf_linear_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp"]
 # torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
 _VEC_CAPABILITIES = ("AVX512", "AVX2")
 
@@ -138,6 +138,22 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         out = torch.empty_like(query)
     load().paged_decode(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
                         seq_lens.to(torch.int32).contiguous(), float(scale))
+    return out
+
+
+def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor,
+                  query_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed prefill chunks: chunk i is query rows [query_starts[i], + query_lens[i]),
+    ending at position seq_lens[i] - 1 of its sequence; K/V come from the paged caches. query [T, H, D] ->
+    [T, H, D]; rows outside every chunk are left as they are in `out`.
+    """
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    load()
+    as_int = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_starts, query_lens)]
+    torch.ops.conveyor_cpu.paged_prefill(out, query, key_cache, value_cache, *as_int, float(scale))
     return out
 
 

@@ -17,6 +17,14 @@ BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
+def default_max_rows() -> int:
+    """The largest step (in tokens) for which the kernel beats the packed fp32 GEMM, by the kernel's SIMD level:
+    AVX-512 expands each block once for 8 rows, AVX2 for 4. SmolLM2, decode step by batch size (AMD EPYC Zen 5,
+    2 threads): 16 rows 27 against 30 ms, 24 rows 38 against 38 (benchmarks/RESULTS.md, "Session 10"); on the
+    AVX2-only CPU of earlier sessions the crossover was at 8."""
+    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
 def is_available() -> bool:
     """Whether the CPU extension with the kernel builds and loads here."""
     return cpu_ext.has_op("gguf_linear")

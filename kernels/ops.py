@@ -3,10 +3,9 @@
 Backends:
 - "reference": reference.py, the truth (slow, one sequence at a time).
 - "torch": torch_native.py, vectorized torch; the CPU fallback when the C++ kernel cannot be built.
-- "cpu": our C++ kernels (csrc/cpu/, JIT-built by cpu_ext.py): the decode kernel for every row of a step whose
-  prefill chunks are at most MAX_CHUNK_AS_DECODE_ROWS tokens (row j of a chunk is a decode over its causal
-  prefix; see decode_rows), torch_native's SDPA path for longer chunks, and the KV-cache write. The CPU default
-  when it builds; torch where it does not.
+- "cpu": our C++ kernels (csrc/cpu/, JIT-built by cpu_ext.py): the decode kernel for decode rows and short
+  prefill chunks, the prefill kernel for longer chunks (the split: cpu_plan.py), and the KV-cache write. The CPU
+  default when it builds; torch where it does not.
 - "triton": triton_attention.py, one varlen kernel for mixed steps (on CPU only under TRITON_INTERPRET=1).
 - "cuda": our CUDA decode kernel (csrc/) for decode-only steps; steps with prefill chunks, or shapes the CUDA
   kernel lacks, go to triton (torch where triton is missing).
@@ -24,13 +23,10 @@ from types import ModuleType
 
 import torch
 
-from conveyor.kernels import reference, torch_native
+from conveyor.kernels import cpu_plan, reference, torch_native
+from conveyor.kernels.cpu_plan import CpuStepPlan
 
 BACKENDS = ("reference", "torch", "cpu", "triton", "cuda", "flash")
-# Up to this chunk length the decode kernel over each row is used instead of gathering the context for SDPA.
-# SmolLM2's shapes, 2 threads (benchmarks/chunk_attention_bench.py): 1.5-2.6x faster for 16-token chunks at 1-2k
-# of context, 0.9-1.7x for 32-64, ~1.0x from 128 up: past 64 SDPA keeps the longer chunks.
-MAX_CHUNK_AS_DECODE_ROWS = 64
 
 
 @functools.cache
@@ -138,12 +134,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, *, max_query_len: int, max_seq_len: int,
                     seq_lens_list: list[int] | None = None, query_lens_list: list[int] | None = None,
                     backend: str = "torch", finite_cache: bool = False,
-                    rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    plan: CpuStepPlan | None = None) -> torch.Tensor:
     """Causal paged attention of packed varlen queries [T, H, D]; see reference.paged_attention.
 
     finite_cache: the caller guarantees that cache slots no sequence uses hold finite values (a zero-initialized
     cache), which lets the torch backend skip masking them out of the value gather.
-    rows: decode_rows(...) for this step, where uses_decode_rows says so (computed once per step, not per layer).
+    plan: cpu_step_plan(...) for this step, where uses_cpu_plan says so (made once per step, not per layer).
     """
     if backend == "reference":
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
@@ -166,43 +162,36 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return _triton().paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, max_query_len=max_query_len,
                                          max_seq_len=max_seq_len)
-    decode_fn = None
     if backend == "cpu":
         if _cpu_usable():
             if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:  # pure decode: skip the row split
                 return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-            if rows is not None:
-                return _cpu_ext().paged_decode(query, key_cache, value_cache, rows[0], rows[1], scale)
-            decode_fn = _cpu_decode_batch
+            if plan is None:
+                plan = cpu_step_plan(block_tables, query_start_loc, seq_lens, query_lens_list, seq_lens_list)
+            return cpu_plan.run_plan(_cpu_ext(), query, key_cache, value_cache, plan, scale)
         backend = "torch"
     if backend != "torch":
         raise ValueError(f"unknown attention backend {backend!r}")
     return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                         query_start_loc,
                                         scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list,
-                                        finite_cache=finite_cache, decode_fn=decode_fn)
+                                        finite_cache=finite_cache)
 
 
-def uses_decode_rows(backend: str, max_query_len: int) -> bool:
-    """Whether paged_attention wants decode_rows for a step with chunks of up to max_query_len tokens."""
-    return backend == "cpu" and 1 < max_query_len <= MAX_CHUNK_AS_DECODE_ROWS and _cpu_usable()
+def uses_cpu_plan(backend: str, max_query_len: int) -> bool:
+    """Whether paged_attention wants a cpu_step_plan for a step whose longest chunk is max_query_len tokens."""
+    return backend == "cpu" and max_query_len > 1 and _cpu_usable()
 
 
-def decode_rows(block_tables: torch.Tensor, query_lens: list[int],
-                seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query row as its own decode: (block table per row, context length per row).
-
-    Row j of a q-token chunk whose context ends at s attends to the first s - q + 1 + j tokens (causal), so a
-    mixed step becomes one decode-kernel call over the packed rows, reading K/V blocks in place.
-    """
-    index: list[int] = []
-    lens: list[int] = []
-    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        index += [i] * q_len
-        lens += range(seq_len - q_len + 1, seq_len + 1)
-    rows = torch.tensor(index, dtype=torch.long, device=block_tables.device)
-    return (block_tables.index_select(0, rows),
-            torch.tensor(lens, dtype=torch.int32, device=block_tables.device))
+def cpu_step_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  query_lens_list: list[int] | None = None, seq_lens_list: list[int] | None = None,
+                  max_rows_chunk: int = cpu_plan.MAX_CHUNK_AS_DECODE_ROWS) -> CpuStepPlan:
+    """The split of one step between the CPU decode and prefill kernels (cpu_plan.py); the lists spare a sync."""
+    if query_lens_list is None:
+        query_lens_list = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    if seq_lens_list is None:
+        seq_lens_list = seq_lens.tolist()
+    return cpu_plan.plan_step(block_tables, query_lens_list, seq_lens_list, max_rows_chunk)
 
 
 def _cpu_usable() -> bool:
@@ -213,14 +202,6 @@ def _cpu_usable() -> bool:
         _warn_once(f"cpu attention kernel unavailable ({exc}); using torch")
         return False
     return True
-
-
-def _cpu_decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens_list: list[int], scale: float,
-                      finite_cache: bool = False) -> torch.Tensor:
-    """torch_native.DecodeFn on the C++ kernel (which never reads unused slots, so finite_cache is moot)."""
-    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=query.device)
-    return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

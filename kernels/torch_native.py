@@ -7,14 +7,8 @@ still go one at a time through SDPA with a causal mask, since their shapes diffe
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
-
-# (query [B, H, D], key_cache, value_cache, block_tables [B, max_blocks], seq_lens_list, scale, finite_cache)
-# -> [B, H, D]: attention of B single-token queries. _decode_batch is the torch one; ops injects the CPU kernel.
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], float, bool], torch.Tensor]
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -107,12 +101,8 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, seq_lens_list: list[int] | None = None,
-                    query_lens_list: list[int] | None = None, finite_cache: bool = False,
-                    decode_fn: DecodeFn | None = None) -> torch.Tensor:
-    """Same contract as reference.paged_attention; the *_list args spare a device sync when given.
-
-    decode_fn: computes the decode rows (q_len 1) instead of _decode_batch; prefill rows always use SDPA here.
-    """
+                    query_lens_list: list[int] | None = None, finite_cache: bool = False) -> torch.Tensor:
+    """Same contract as reference.paged_attention; the *_list args spare a device sync when given."""
     if seq_lens_list is None:
         seq_lens_list = seq_lens.tolist()
     if query_lens_list is None:
@@ -122,19 +112,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     for i in range(1, len(query_lens_list)):
         starts[i] = starts[i - 1] + query_lens_list[i - 1]
     decode = [i for i, q_len in enumerate(query_lens_list) if q_len == 1]
-    # A lone decode row is cheaper through SDPA than through the padded torch batch; an injected kernel is
-    # cheaper than both.
-    min_batch = 2 if decode_fn is None else 1
-    decode_fn = decode_fn or _decode_batch
     if len(decode) == len(query_lens_list) and decode:
         # Pure decode step: query rows are already the batch, in order.
-        out.copy_(decode_fn(query, key_cache, value_cache, block_tables, seq_lens_list, scale, finite_cache))
+        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale, finite_cache))
         return out
-    if len(decode) >= min_batch:
+    if len(decode) >= 2:  # a lone decode row is cheaper through SDPA than through the padded batch
         rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=query.device)
         index = torch.tensor(decode, dtype=torch.long, device=query.device)
-        out[rows] = decode_fn(query[rows], key_cache, value_cache, block_tables[index],
-                              [seq_lens_list[i] for i in decode], scale, finite_cache)
+        out[rows] = _decode_batch(query[rows], key_cache, value_cache, block_tables[index],
+                                  [seq_lens_list[i] for i in decode], scale, finite_cache)
         decode_set = set(decode)
     else:
         decode_set = set()

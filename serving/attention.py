@@ -27,8 +27,8 @@ class AttentionMetadata:
     query_lens_list: list[int] | None = None
     # The runner zero-fills the cache, so unused slots are finite and backends may skip masking them.
     finite_cache: bool = False
-    # ops.decode_rows for this step, made by the first layer that wants it and reused by the others.
-    decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ops.cpu_step_plan for this step, made by the first layer that wants it and reused by the others.
+    cpu_plan: ops.CpuStepPlan | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -49,13 +49,12 @@ class PagedAttention(torch.nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=self.backend)
-        if meta.decode_rows is None and ops.uses_decode_rows(self.backend, meta.max_query_len):
-            query_lens = meta.query_lens_list or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
-            seq_lens = meta.seq_lens_list or meta.seq_lens.tolist()
-            meta.decode_rows = ops.decode_rows(meta.block_tables, query_lens, seq_lens)
+        if meta.cpu_plan is None and ops.uses_cpu_plan(self.backend, meta.max_query_len):
+            meta.cpu_plan = ops.cpu_step_plan(meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                              meta.query_lens_list, meta.seq_lens_list)
         out = ops.paged_attention(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             seq_lens_list=meta.seq_lens_list, query_lens_list=meta.query_lens_list, backend=self.backend,
-            finite_cache=meta.finite_cache, rows=meta.decode_rows)
+            finite_cache=meta.finite_cache, plan=meta.cpu_plan)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

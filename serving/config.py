@@ -92,15 +92,15 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     # CPU float32, model converted from a GGUF: steps of at most gguf_max_rows tokens multiply by the file's own
     # quantized blocks (Q4_1/Q8_0), the same weights in 5-8.5 bits rather than 32 (see models/gguf_weights.py).
-    # 0 turns it off; every step then uses the fp32 weights.
-    gguf_max_rows: int = 8
+    # 0 turns it off; every step then uses the fp32 weights. None: by the CPU (kernels.gguf.default_max_rows).
+    gguf_max_rows: int | None = None
     # Structured outputs: a grammar still compiling after this long fails its request (finish_reason "error").
     grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        if self.gguf_max_rows < 0:
+        if self.gguf_max_rows is not None and self.gguf_max_rows < 0:
             raise ValueError(f"gguf_max_rows must be >= 0, got {self.gguf_max_rows}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton", "cuda", "flash"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

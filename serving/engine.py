@@ -8,7 +8,7 @@ import uuid
 
 import torch
 
-from conveyor.kernels import ops
+from conveyor.kernels import gguf, ops
 from conveyor.serving import grammar
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
@@ -55,7 +55,8 @@ class LLMEngine:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         if config.cpu_weight_packing and self.device.type == "cpu" and self.dtype in packable_dtypes():
             self.model.pack_for_cpu()
-        self.num_gguf_linears = self._attach_gguf_weights(config.gguf_max_rows)
+        self.gguf_max_rows = gguf.default_max_rows() if config.gguf_max_rows is None else config.gguf_max_rows
+        self.num_gguf_linears = self._attach_gguf_weights(self.gguf_max_rows)
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

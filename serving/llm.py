@@ -30,7 +30,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, memory_fraction: float = 0.25,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, dtype: str = "auto",
                  device: str = "auto", attention_backend: str = "auto", seed: int = 0,
-                 itl_slo_ms: float | None = None, gguf_max_rows: int = 8) -> None:
+                 itl_slo_ms: float | None = None, gguf_max_rows: int | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,

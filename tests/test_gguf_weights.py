@@ -100,3 +100,13 @@ def test_smollm2_blocks_dequantize_to_its_fp32_weights_exactly():
     assert len(blocks) == 30 * 7 + 1  # every layer's seven projections, and the (tied) embedding
     for name, (rows, ggml_type) in blocks.items():
         assert torch.equal(gguf.dequantize(rows, ggml_type, weights[name].shape[1]), weights[name]), name
+
+
+def test_default_threshold_follows_the_cpu(quantized_dir, monkeypatch):
+    """gguf_max_rows unset: 16 rows where the kernel runs AVX-512 (8-row tiles), 8 elsewhere."""
+    llm = LLM(str(quantized_dir), num_kv_blocks=64)
+    assert llm.engine.gguf_max_rows == gguf.default_max_rows()
+    assert llm.engine.model.model.layers[0].self_attn.qkv_proj.max_rows == gguf.default_max_rows()
+    for capability, rows in (("AVX512", 16), ("AVX2", 8), ("DEFAULT", 8)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert gguf.default_max_rows() == rows

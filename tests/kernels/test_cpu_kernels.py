@@ -126,19 +126,15 @@ def test_ops_backend_matches_reference(specs: list[tuple[int, int]], dtype: torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunks_as_decode_rows_match_reference(specs: list[tuple[int, int]], block_size: int,
                                                dtype: torch.dtype) -> None:
-    """Every row of a prefill chunk as a decode over its causal prefix (ops.decode_rows), one kernel call."""
+    """Every row of a prefill chunk as a decode over its causal prefix (cpu_plan.decode_rows), one kernel call."""
     case = make_case(specs, 9, 3, head_dim=64, block_size=block_size, dtype=dtype, seed=block_size)
     kwargs = case.kwargs()
-    assert ops.uses_decode_rows("cpu", kwargs["max_query_len"])
-    rows = ops.decode_rows(case.block_tables, kwargs["query_lens_list"], kwargs["seq_lens_list"])
-    assert rows[1].tolist() == [n for q_len, seq_len in specs for n in range(seq_len - q_len + 1, seq_len + 1)]
-    out = ops.paged_attention(*case.args(), **kwargs, backend="cpu", rows=rows)
+    plan = ops.cpu_step_plan(case.block_tables, case.query_start_loc, case.seq_lens, max_rows_chunk=10_000)
+    assert plan.prefill is None and plan.decode_index is None
+    assert plan.decode_lens.tolist() == [n for q_len, seq_len in specs
+                                         for n in range(seq_len - q_len + 1, seq_len + 1)]
+    out = ops.paged_attention(*case.args(), **kwargs, backend="cpu", plan=plan)
     assert rel_err(out, _reference(case)) < TOL[dtype]
-
-
-def test_long_chunks_stay_on_sdpa() -> None:
-    assert not ops.uses_decode_rows("cpu", ops.MAX_CHUNK_AS_DECODE_ROWS + 1)
-    assert not ops.uses_decode_rows("torch", 16) and not ops.uses_decode_rows("cpu", 1)
 
 
 def test_ops_backend_without_host_lists() -> None:

@@ -14,12 +14,17 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define CONVEYOR_GGUF_AVX2 1
+#if defined(__AVX512F__)
+#define CONVEYOR_GGUF_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -30,8 +35,15 @@ constexpr int64_t kQ8_0Bytes = 34;
 // ggml's type ids, so the Python side can pass what the GGUF file says.
 constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
-// Activation rows handled together: each weight block is expanded once and used for this many rows.
+// Activation rows handled together: each weight block is expanded once and used for this many rows (AVX-512
+// has the registers for 8: one accumulator per row, 16 floats wide).
+#ifdef CONVEYOR_GGUF_AVX512
+constexpr int kRowTile = 8;
+#else
 constexpr int kRowTile = 4;
+#endif
+// Output features whose weight rows stay in cache while every row tile uses them (SmolLM2: 16 x 360-960 bytes).
+constexpr int64_t kFeatureChunk = 16;
 // Output features per parallel task: a few KB of weights, enough to outweigh a thread's wake-up.
 constexpr int64_t kGrainFeatures = 32;
 
@@ -45,7 +57,56 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-#ifdef CONVEYOR_GGUF_AVX2
+#ifdef CONVEYOR_GGUF_AVX512
+// The 32 weights of one block as two vectors of 16 floats: elements 0-15 (low nibbles), 16-31 (high nibbles).
+inline void expand_q4_1(const uint8_t* block, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(half_to_float(block));
+  const __m512 m = _mm512_set1_ps(half_to_float(block + 2));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), d, m);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), d,
+                         m);
+}
+
+inline void expand_q8_0(const uint8_t* block, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(half_to_float(block));
+  for (int i = 0; i < 2; ++i) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * i));
+    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d);
+  }
+}
+
+// out[r, n] for the rows of one tile.
+template <int64_t Type, int Rows>
+void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
+              int64_t out_stride) {
+  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  // Two accumulators per row where few rows leave too few FMA chains to hide their latency.
+  constexpr int kAcc = Rows <= 2 ? 2 : 1;
+  __m512 acc[Rows][kAcc];
+  for (int r = 0; r < Rows; ++r)
+    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_ps();
+  __m512 w[2];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if constexpr (Type == kTypeQ4_1) {
+      expand_q4_1(weight_row + b * bytes, w);
+    } else {
+      expand_q8_0(weight_row + b * bytes, w);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const float* xb = x + r * x_stride + b * kBlock;
+      acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[r][0]);
+      acc[r][kAcc - 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[r][kAcc - 1]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    __m512 total = acc[r][0];
+    if constexpr (kAcc == 2) total = _mm512_add_ps(total, acc[r][1]);
+    out[r * out_stride] = _mm512_reduce_add_ps(total);
+  }
+}
+#elif defined(CONVEYOR_GGUF_AVX2)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -134,20 +195,25 @@ void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int
 }
 #endif
 
+template <int64_t Type, int... Rows>
+void dot_tile(int rows, const uint8_t* wr, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
+              int64_t out_stride, std::integer_sequence<int, Rows...>) {
+  // rows in [1, kRowTile]: the instantiation for exactly that many rows.
+  ((rows == Rows + 1 ? dot_rows<Type, Rows + 1>(wr, num_blocks, x, x_stride, out, out_stride) : void()), ...);
+}
+
+// A chunk of features at a time, every row tile over it: the chunk's weight rows (a few KB) are read from memory
+// once and stay in cache for all the row tiles, and each row tile's activations stay in cache for the chunk.
 template <int64_t Type>
 void linear_rows(const uint8_t* weight, int64_t row_bytes, int64_t num_blocks, const float* x, int64_t num_rows,
                  int64_t in_features, float* out, int64_t out_features, int64_t n_begin, int64_t n_end) {
-  for (int64_t r0 = 0; r0 < num_rows; r0 += kRowTile) {
-    const int64_t rows = std::min<int64_t>(kRowTile, num_rows - r0);
-    const float* xt = x + r0 * in_features;
-    float* ot = out + r0 * out_features;
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const uint8_t* wr = weight + n * row_bytes;
-      switch (rows) {
-        case 1: dot_rows<Type, 1>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
-        case 2: dot_rows<Type, 2>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
-        case 3: dot_rows<Type, 3>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
-        default: dot_rows<Type, 4>(wr, num_blocks, xt, in_features, ot + n, out_features); break;
+  for (int64_t c0 = n_begin; c0 < n_end; c0 += kFeatureChunk) {
+    const int64_t c1 = std::min(n_end, c0 + kFeatureChunk);
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, num_rows - r0));
+      for (int64_t n = c0; n < c1; ++n) {
+        dot_tile<Type>(rows, weight + n * row_bytes, num_blocks, x + r0 * in_features, in_features,
+                       out + r0 * out_features + n, out_features, std::make_integer_sequence<int, kRowTile>{});
       }
     }
   }
