@@ -124,8 +124,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
              runtime_env={"env_vars": env})
-    # SIGTERM (docker stop, kill) takes the same clean path as Ctrl-C, also while the model is loading.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (docker stop, kill) takes the same clean path as Ctrl-C, also while the model is loading. SIGINT
+    # gets the handler explicitly: a shell starts a background job (`conveyor serve &`) with SIGINT ignored,
+    # and Python then leaves it ignored, so `kill -INT` did nothing.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     try:
         # With direct ingress Serve still starts its proxy on the head node: it gets a spare port, the
         # ingress replica listens on --port (serve_env).
