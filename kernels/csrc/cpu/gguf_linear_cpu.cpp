@@ -58,6 +58,19 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 #ifdef CONVEYOR_GGUF_AVX512
+// The SIMD level dot_rows is written against: 16 floats a vector here.
+struct Simd {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  // Accumulators per row: few rows leave too few independent FMA chains to hide their latency.
+  static constexpr int accumulators(int rows) { return rows <= 2 ? 2 : 1; }
+};
+
 // The 32 weights of one block as two vectors of 16 floats: elements 0-15 (low nibbles), 16-31 (high nibbles).
 inline void expand_q4_1(const uint8_t* block, __m512 w[2]) {
   const __m512 d = _mm512_set1_ps(half_to_float(block));
@@ -76,36 +89,6 @@ inline void expand_q8_0(const uint8_t* block, __m512 w[2]) {
     w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d);
   }
 }
-
-// out[r, n] for the rows of one tile.
-template <int64_t Type, int Rows>
-void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
-              int64_t out_stride) {
-  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  // Two accumulators per row where few rows leave too few FMA chains to hide their latency.
-  constexpr int kAcc = Rows <= 2 ? 2 : 1;
-  __m512 acc[Rows][kAcc];
-  for (int r = 0; r < Rows; ++r)
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_ps();
-  __m512 w[2];
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    if constexpr (Type == kTypeQ4_1) {
-      expand_q4_1(weight_row + b * bytes, w);
-    } else {
-      expand_q8_0(weight_row + b * bytes, w);
-    }
-    for (int r = 0; r < Rows; ++r) {
-      const float* xb = x + r * x_stride + b * kBlock;
-      acc[r][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[r][0]);
-      acc[r][kAcc - 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[r][kAcc - 1]);
-    }
-  }
-  for (int r = 0; r < Rows; ++r) {
-    __m512 total = acc[r][0];
-    if constexpr (kAcc == 2) total = _mm512_add_ps(total, acc[r][1]);
-    out[r * out_stride] = _mm512_reduce_add_ps(total);
-  }
-}
 #elif defined(CONVEYOR_GGUF_AVX2)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -113,6 +96,18 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+struct Simd {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float sum(V v) { return hsum(v); }
+  // One accumulator per 8-weight group when a single row leaves registers to spare, two per row otherwise.
+  static constexpr int accumulators(int rows) { return rows == 1 ? 4 : 2; }
+};
 
 // The 32 weights of one block as four vectors of 8 floats.
 inline void expand_q4_1(const uint8_t* block, __m256 w[4]) {
@@ -135,18 +130,20 @@ inline void expand_q8_0(const uint8_t* block, __m256 w[4]) {
     w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
   }
 }
+#endif
 
-// out[r, n] for the rows of one tile; two accumulators per row keep the FMA chains short.
+#ifdef CONVEYOR_GGUF_AVX2
+// out[r, n] for the rows of one tile: each block is expanded once and multiplied with every row's activations.
 template <int64_t Type, int Rows>
 void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
               int64_t out_stride) {
   constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  // One accumulator per 8-weight group when a single row leaves registers to spare, two per row otherwise.
-  constexpr int kAcc = Rows == 1 ? 4 : 2;
-  __m256 acc[Rows][kAcc];
+  constexpr int kVecs = kBlock / Simd::kLanes;
+  constexpr int kAcc = Simd::accumulators(Rows);
+  typename Simd::V acc[Rows][kAcc];
   for (int r = 0; r < Rows; ++r)
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm256_setzero_ps();
-  __m256 w[4];
+    for (int a = 0; a < kAcc; ++a) acc[r][a] = Simd::zero();
+  typename Simd::V w[kVecs];
   for (int64_t b = 0; b < num_blocks; ++b) {
     if constexpr (Type == kTypeQ4_1) {
       expand_q4_1(weight_row + b * bytes, w);
@@ -155,13 +152,15 @@ void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int
     }
     for (int r = 0; r < Rows; ++r) {
       const float* xb = x + r * x_stride + b * kBlock;
-      for (int i = 0; i < 4; ++i) acc[r][i % kAcc] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i % kAcc]);
+      for (int i = 0; i < kVecs; ++i) {
+        acc[r][i % kAcc] = Simd::fmadd(w[i], Simd::load(xb + i * Simd::kLanes), acc[r][i % kAcc]);
+      }
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    __m256 total = acc[r][0];
-    for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[r][a]);
-    out[r * out_stride] = hsum(total);
+    typename Simd::V total = acc[r][0];
+    for (int a = 1; a < kAcc; ++a) total = Simd::add(total, acc[r][a]);
+    out[r * out_stride] = Simd::sum(total);
   }
 }
 #else
