@@ -75,6 +75,9 @@ def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in _VEC_CAPABILITIES:
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    # torch rebuilds when the sources or flags change, not when a header they include does: fold the headers in.
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:12]
+    flags.append(f"-DCONVEYOR_CPU_HEADERS={headers}")
     return flags
 
 

@@ -49,18 +49,17 @@ def plan_step(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[
     prefill kernel."""
     max_rows_chunk = max(1, max_rows_chunk)
     device = block_tables.device
-    short = [i for i, q_len in enumerate(query_lens) if 0 < q_len <= max_rows_chunk]
+    # A long chunk counts as 0 rows for the decode kernel: decode_rows then yields only the short chunks' rows.
+    row_lens = [q_len if q_len <= max_rows_chunk else 0 for q_len in query_lens]
     long = [i for i, q_len in enumerate(query_lens) if q_len > max_rows_chunk]
     decode_tables = decode_lens = decode_index = prefill = None
-    if short:
-        tables = block_tables if len(short) == len(query_lens) else block_tables[short]
-        decode_tables, decode_lens = decode_rows(tables, [query_lens[i] for i in short],
-                                                 [seq_lens[i] for i in short])
+    if any(row_lens):
+        decode_tables, decode_lens = decode_rows(block_tables, row_lens, seq_lens)
     starts = [0] * len(query_lens)
     for i in range(1, len(query_lens)):
         starts[i] = starts[i - 1] + query_lens[i - 1]
-    if short and long:
-        rows = [r for i in short for r in range(starts[i], starts[i] + query_lens[i])]
+    if any(row_lens) and long:
+        rows = [r for start, n in zip(starts, row_lens, strict=True) for r in range(start, start + n)]
         decode_index = torch.tensor(rows, dtype=torch.long, device=device)
     if long:
         prefill = (block_tables[long].to(torch.int32).contiguous(),

@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_rows.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -254,21 +256,7 @@ void attend_any(const TaskView& x, float* scores, float* acc, float* maxes, floa
   }
 }
 
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n, float scale = 1.f) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
-  } else {
-    using TVec = at::vec::Vectorized<T>;
-    int64_t i = 0;
-    for (; i + TVec::size() <= n; i += TVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(TVec::loadu(src + i));
-      (lo * Vec(scale)).store(dst + i);
-      (hi * Vec(scale)).store(dst + i + kVec);
-    }
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-  }
-}
+using conveyor_cpu::to_float;
 
 // Per-thread scratch, grown on demand and reused across tasks and calls (the pool's threads persist).
 struct Scratch {

@@ -24,6 +24,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_rows.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -47,16 +49,7 @@ struct Task {
   int64_t cost;
 };
 
-template <typename T>
-inline void load_float(const T* src, float* dst, int64_t n, float scale) {
-  if constexpr (std::is_same_v<T, float>) {
-    int64_t i = 0;
-    for (; i + kVec <= n; i += kVec) (Vec::loadu(src + i) * Vec(scale)).store(dst + i);
-    for (; i < n; ++i) dst[i] = src[i] * scale;
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-  }
-}
+using conveyor_cpu::to_float;
 
 // s[r][0, kKeys) = q[r] . kt[:, j] for rows [0, rows); kt is [d][kKeys] (K transposed).
 template <int RB>
@@ -178,7 +171,7 @@ void run_task(const Task& task, const Chunk& c, const T* query, const T* key_cac
   // Row r = i * group + gi: position `first + i` of the chunk, query head kv_head * group + gi.
   for (int64_t i = 0; i < count; ++i) {
     const T* src = query + (c.start + task.first + i) * g.heads * d + task.kv_head * g.group * d;
-    load_float(src, sc.q.data() + i * g.group * d, g.group * d, scale);
+    to_float(src, sc.q.data() + i * g.group * d, g.group * d, scale);
     for (int64_t gi = 0; gi < g.group; ++gi) sc.pos[i * g.group + gi] = context + task.first + i;
   }
   std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
@@ -198,7 +191,7 @@ void run_task(const Task& task, const Chunk& c, const T* query, const T* key_cac
                               g.row_stride() + task.kv_head * d;
       const T* krow = key_cache + row;
       for (int64_t k = 0; k < d; ++k) sc.kt[k * kKeys + j] = static_cast<float>(krow[k]);
-      load_float(value_cache + row, sc.v.data() + j * d, d, 1.f);
+      to_float(value_cache + row, sc.v.data() + j * d, d);
     }
     int64_t r = 0;
     for (; r + kRowBlock <= rows; r += kRowBlock) score_block<kRowBlock>(sc.q.data() + r * d, d, sc.kt.data(),
