@@ -75,7 +75,7 @@ def compile_engine_model(llm: LLM) -> None:
     cpu_ext.load()
 
     @torch.library.register_fake("conveyor_cpu::gguf_linear")
-    def _(x: Tensor, weight: Tensor, ggml_type: int, out_features: int) -> Tensor:
+    def _(x: Tensor, q: Tensor, scales: Tensor, ggml_type: int, out_features: int) -> Tensor:
         return x.new_empty((x.shape[0], out_features))
 
     model = llm.engine.model

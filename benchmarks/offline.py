@@ -146,12 +146,10 @@ def roofline_report(llm: LLM) -> dict:
 
 def gguf_block_weights(llm: LLM) -> tuple[int, int]:
     """(bytes of the GGUF blocks small steps read, parameters they stand for)."""
-    from conveyor.kernels import gguf
     from conveyor.serving.models.gguf_weights import GGUFLinear
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, GGUFLinear)]
-    return (sum(m.blocks.numel() for m in layers),
-            sum(m.out_features * m.blocks.shape[1] // gguf.BLOCK_BYTES[m.ggml_type] * gguf.BLOCK for m in layers))
+    return (sum(m.weight.nbytes for m in layers), sum(m.out_features * m.weight.in_features for m in layers))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
-           _CSRC / "gguf_linear_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp"]
+           _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp"]
 # torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
 _VEC_CAPABILITIES = ("AVX512", "AVX2")
 

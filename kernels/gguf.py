@@ -1,10 +1,14 @@
 """Linear layers over weights kept in GGUF block formats (Q4_1, Q8_0), and their torch reference.
 
-The CPU kernel (csrc/cpu/gguf_linear_cpu.cpp, torch.ops.conveyor_cpu.gguf_linear) expands each block to float32
-in registers and multiplies with float32 activations, so it computes what the dequantized weights compute, up to
-summation order, while reading 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32.
+The CPU kernels expand the quants to float32 in registers and multiply with float32 activations, so they compute
+what the dequantized weights compute, up to summation order, while reading 5 (Q4_1) or 8.5 (Q8_0) bits per weight
+instead of 32. `prepare` (once, at load time) keeps GGUF's rows of blocks for the smallest steps
+(csrc/cpu/gguf_rows_cpu.cpp) and a copy with groups of output features interleaved for the rest
+(csrc/cpu/gguf_linear_cpu.cpp); `gguf_linear` picks by the step's rows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +22,12 @@ TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 
 def default_max_rows() -> int:
-    """The largest step (in tokens) for which the kernel beats the packed fp32 GEMM, by the kernel's SIMD level:
-    AVX-512 expands each block once for 8 rows, AVX2 for 4. SmolLM2, decode step by batch size (AMD EPYC Zen 5,
-    2 threads): 16 rows 27 against 30 ms, 24 rows 38 against 38 (benchmarks/RESULTS.md, "Session 10"); on the
-    AVX2-only CPU of earlier sessions the crossover was at 8."""
-    return 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    """The largest step (in tokens) that reads the GGUF quants rather than the packed fp32 weights, by SIMD level.
+    AVX-512 (AMD EPYC Zen 5, 2 threads, SmolLM2's linears): the interleaved kernel beats oneDNN's packed fp32 up to
+    ~128 rows (64: 34 against 39 ms; 128 equal; 256 fp32 ahead), and a batch-64 decode step takes 40.5 against
+    49.4 ms (RESULTS.md, "Session 11"). AVX2: 8, the crossover measured with the earlier kernel on the AVX2-only CPU
+    of earlier sessions; the interleaved kernel was not timed on one."""
+    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
 
 
 def is_available() -> bool:
@@ -54,12 +59,65 @@ def dequantize(weight: torch.Tensor, ggml_type: int, in_features: int) -> torch.
     return (q * scale + low_bound).reshape(num_rows, in_features)
 
 
-def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, out_features: int) -> torch.Tensor:
-    """x float32 [..., K] @ dequantize(weight)^T -> float32 [..., out_features]; bias is the caller's.
-    The op must be registered: check is_available() first (it loads the extension)."""
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A [out_features, in_features] weight in the kernel's layout (gguf_linear_cpu.cpp): groups of `lanes`
+    output features side by side. q uint8 [groups, quant rows, lanes]: per block of 32 inputs, Q4_1 keeps GGUF's 16
+    nibble-pair bytes (inputs j and 16 + j), Q8_0 its 32 int8; scales float16 [groups, K / 32, 2, lanes], d and m
+    per block (Q8_0: m = 0)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    ggml_type: int
+    out_features: int
+    blocks: torch.Tensor  # GGUF's own rows of blocks, for the smallest steps (see gguf_linear)
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """What a step that uses every feature reads (either layout: the same quants and scales)."""
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], from this layout (d * q + m; Q8_0: d * q): for checks against `dequantize`."""
+        groups, _, lanes = self.q.shape
+        num_blocks = self.scales.shape[1]
+        if self.ggml_type == Q8_0:
+            q = self.q.view(torch.int8).float().reshape(groups, num_blocks, BLOCK, lanes)
+        else:
+            packed = self.q.reshape(groups, num_blocks, BLOCK // 2, lanes)
+            q = torch.cat([packed & 0x0F, packed >> 4], dim=2).float()
+        scales = self.scales.float()
+        d, m = scales[:, :, 0:1, :], scales[:, :, 1:2, :]
+        w = q * d if self.ggml_type == Q8_0 else q * d + m
+        return w.permute(0, 3, 1, 2).reshape(groups * lanes, self.in_features)[: self.out_features]
+
+
+def prepare(weight: torch.Tensor, ggml_type: int, in_features: int) -> GGUFWeight:
+    """GGUF rows of blocks uint8 [N, K / 32 * block bytes] -> the kernel's layout. Needs is_available()."""
+    row_bytes(ggml_type, in_features)  # validates type and K with a ValueError
+    q, scales = torch.ops.conveyor_cpu.gguf_prepare(weight, ggml_type, in_features)
+    return GGUFWeight(q, scales, ggml_type, weight.shape[0], weight.contiguous())
+
+
+# Steps of up to this many rows run over GGUF's own rows of blocks (gguf_rows_cpu.cpp), larger ones over the
+# feature-interleaved layout (gguf_linear_cpu.cpp): the crossovers measured on SmolLM2's shapes (AMD EPYC Zen 5,
+# 2 threads; RESULTS.md, "Session 11"). The interleaved kernel is 1.4-1.5x faster at 8-32 rows.
+ROWS_KERNEL_MAX_ROWS = {Q4_1: 3, Q8_0: 6}
+
+
+def gguf_linear(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
+    """x float32 [..., K] @ W^T -> float32 [..., out_features]; bias is the caller's.
+    The ops must be registered: check is_available() first (it loads the extension)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.conveyor_cpu.gguf_linear(flat, weight, ggml_type, out_features)
-    return out.view(*x.shape[:-1], out_features)
+    if flat.shape[0] <= ROWS_KERNEL_MAX_ROWS[weight.ggml_type]:
+        out = torch.ops.conveyor_cpu.gguf_linear_rows(flat, weight.blocks, weight.ggml_type, weight.out_features)
+    else:
+        out = torch.ops.conveyor_cpu.gguf_linear(flat, weight.q, weight.scales, weight.ggml_type, weight.out_features)
+    return out.view(*x.shape[:-1], weight.out_features)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:

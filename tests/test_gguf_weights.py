@@ -69,7 +69,7 @@ def test_small_steps_use_the_blocks_and_large_ones_the_fp32_weights(quantized_di
     assert dense_rows == [5]
     small = layer(x[:4])
     assert dense_rows == [5]
-    expected = x[:4] @ gguf.dequantize(layer.blocks, layer.ggml_type, dense.in_features).T
+    expected = x[:4] @ layer.weight.dequantize().T
     torch.testing.assert_close(small, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -103,10 +103,10 @@ def test_smollm2_blocks_dequantize_to_its_fp32_weights_exactly():
 
 
 def test_default_threshold_follows_the_cpu(quantized_dir, monkeypatch):
-    """gguf_max_rows unset: 16 rows where the kernel runs AVX-512 (8-row tiles), 8 elsewhere."""
+    """gguf_max_rows unset: 64 rows where the kernels run AVX-512, 8 elsewhere."""
     llm = LLM(str(quantized_dir), num_kv_blocks=64)
     assert llm.engine.gguf_max_rows == gguf.default_max_rows()
     assert llm.engine.model.model.layers[0].self_attn.qkv_proj.max_rows == gguf.default_max_rows()
-    for capability, rows in (("AVX512", 16), ("AVX2", 8), ("DEFAULT", 8)):
+    for capability, rows in (("AVX512", 64), ("AVX2", 8), ("DEFAULT", 8)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert gguf.default_max_rows() == rows

@@ -98,7 +98,10 @@ class GGUFLinear(nn.Module):
     def __init__(self, blocks: Tensor, ggml_type: int, dense: nn.Module, out_features: int,
                  bias: Tensor | None, max_rows: int) -> None:
         super().__init__()
-        self.blocks = blocks
+        if blocks.shape[0] != out_features:
+            raise ValueError(f"GGUF blocks have {blocks.shape[0]} rows, the layer {out_features} features")
+        in_features = blocks.shape[1] // gguf.BLOCK_BYTES[ggml_type] * gguf.BLOCK
+        self.weight = gguf.prepare(blocks, ggml_type, in_features)  # the kernel's layout; the blocks are dropped
         self.ggml_type = ggml_type
         self.dense = dense
         self.out_features = out_features
@@ -108,7 +111,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
             return self.dense(x)
-        out = gguf.gguf_linear(x, self.blocks, self.ggml_type, self.out_features)
+        out = gguf.gguf_linear(x, self.weight)
         return out if self.bias is None else out + self.bias
 
 

@@ -36,15 +36,40 @@ def test_quantize_round_trips_within_half_a_step(ggml_type: int) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
-@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 4, 5, 9, 17])
-@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576), (17, 1536)], ids=str)
+def test_prepared_layout_holds_the_same_weights(ggml_type: int, shape: tuple[int, int]) -> None:
+    out_features, in_features = shape
+    blocks = random_blocks(out_features, in_features, ggml_type)
+    prepared = gguf.prepare(blocks, ggml_type, in_features)
+    assert prepared.in_features == in_features and prepared.out_features == out_features
+    assert torch.equal(prepared.dequantize(), gguf.dequantize(blocks, ggml_type, in_features))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 40])
+@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576), (40, 1536)], ids=str)
 def test_linear_matches_dequantized_matmul(ggml_type: int, num_rows: int, shape: tuple[int, int]) -> None:
     out_features, in_features = shape
     blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
     expected = x @ gguf.dequantize(blocks, ggml_type, in_features).T
-    torch.testing.assert_close(gguf.gguf_linear(x, blocks, ggml_type, out_features), expected,
-                               atol=1e-4, rtol=1e-5)
+    out = gguf.gguf_linear(x, gguf.prepare(blocks, ggml_type, in_features))
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_linear_is_the_same_on_any_thread_count(num_threads: int) -> None:
+    blocks = random_blocks(200, 576, gguf.Q4_1)
+    weight = gguf.prepare(blocks, gguf.Q4_1, 576)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf.gguf_linear(x, weight)
+        torch.set_num_threads(num_threads)
+        assert torch.equal(gguf.gguf_linear(x, weight), one)  # each output has one fixed summation order
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_linear_takes_strided_and_batched_inputs() -> None:
@@ -52,18 +77,42 @@ def test_linear_takes_strided_and_batched_inputs() -> None:
     wide = torch.randn(3, 2, 128)
     x = wide[..., ::2]  # [3, 2, 64], not contiguous
     expected = x.reshape(6, 64) @ gguf.dequantize(blocks, gguf.Q4_1, 64).T
-    out = gguf.gguf_linear(x, blocks, gguf.Q4_1, 40)
+    out = gguf.gguf_linear(x, gguf.prepare(blocks, gguf.Q4_1, 64))
     assert out.shape == (3, 2, 40)
     torch.testing.assert_close(out.reshape(6, 40), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_bad_inputs_raise() -> None:
     blocks = random_blocks(8, 64, gguf.Q4_1)
+    weight = gguf.prepare(blocks, gguf.Q4_1, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        torch.ops.conveyor_cpu.gguf_linear(torch.randn(1, 64), blocks, 2, 8)
+        torch.ops.conveyor_cpu.gguf_prepare(blocks, 2, 64)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.conveyor_cpu.gguf_linear_rows(torch.randn(1, 64), blocks, 2, 8)
     with pytest.raises(RuntimeError, match="expected"):
-        gguf.gguf_linear(torch.randn(1, 64), blocks, gguf.Q8_0, 8)  # Q4_1 rows read as Q8_0
+        torch.ops.conveyor_cpu.gguf_prepare(blocks, gguf.Q8_0, 64)  # Q4_1 rows read as Q8_0
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        gguf.gguf_linear(torch.randn(1, 48), blocks, gguf.Q4_1, 8)
+        gguf.gguf_linear(torch.randn(1, 48), weight)
+    with pytest.raises(RuntimeError, match="expected"):
+        gguf.gguf_linear(torch.randn(1, 96), weight)  # K differs from the weight's
+    with pytest.raises(RuntimeError, match="float32"):
+        gguf.gguf_linear(torch.randn(1, 64, dtype=torch.float64), weight)
     with pytest.raises(ValueError, match="unsupported ggml type"):
         gguf.row_bytes(2, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gguf.prepare(blocks, gguf.Q4_1, 48)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+def test_both_kernels_compute_the_same_linear(ggml_type: int) -> None:
+    """gguf_linear splits steps by rows between the GGUF-rows and the interleaved kernel: each must be right at
+    every row count, not only on its side of the split."""
+    blocks = random_blocks(72, 576, ggml_type)
+    weight = gguf.prepare(blocks, ggml_type, 576)
+    expected_w = gguf.dequantize(blocks, ggml_type, 576)
+    for num_rows in (1, 3, 7, 12, 13):
+        x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows))
+        rows = torch.ops.conveyor_cpu.gguf_linear_rows(x, blocks, ggml_type, 72)
+        groups = torch.ops.conveyor_cpu.gguf_linear(x, weight.q, weight.scales, ggml_type, 72)
+        torch.testing.assert_close(rows, x @ expected_w.T, atol=2e-4, rtol=1e-5)
+        torch.testing.assert_close(groups, x @ expected_w.T, atol=2e-4, rtol=1e-5)

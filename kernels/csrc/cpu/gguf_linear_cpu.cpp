@@ -1,13 +1,23 @@
-// y = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0), x float32: the small-batch linear of CPU decode.
+// y = x @ W^T with W from a GGUF block format (Q4_1 or Q8_0), x float32: the small-batch linear of CPU decode.
 //
-// Why: at batch 1 a decode step reads every weight once and does 2 FLOP with it, so its time is the bytes read.
-// A Q4_1 weight is 5 bits instead of fp32's 32: the step reads ~5x fewer bytes. Each 32-weight block is expanded
-// to float32 in registers (w = q * d + m, exactly the dequantized value the fp32 checkpoint holds, rounded once
-// by the FMA) and multiplied with float32 activations, so the result differs from the dequantized fp32 GEMM only
-// by summation order: no activation quantization (llama.cpp's Q8_1 trick) and nothing lost against the file.
+// Why: a decode step of a few rows does 2 FLOP per weight it reads, so fp32 weights make it memory-bound. The
+// GGUF file holds each weight in 4 (Q4_1) or 8 (Q8_0) bits with a scale (and Q4_1 a minimum) per 32 weights.
+// Each weight is expanded to float32 in registers (w = q * d + m, exactly the value the dequantized checkpoint
+// holds, rounded once by the FMA) and multiplied with float32 activations, so the result differs from the
+// dequantized fp32 GEMM only by summation order: no activation quantization (llama.cpp's Q8_1 trick).
 //
-// Layouts are GGUF's own, rows of blocks: Q4_1 = {fp16 d, fp16 m, 16 bytes: element j in the low nibble of
-// byte j, element 16 + j in its high nibble}; Q8_0 = {fp16 d, 32 int8}. W [N, K] is uint8 [N, K / 32 * bytes].
+// Layout: gguf_prepare re-lays GGUF's rows of blocks out once, at load time, in groups of kLanes output features:
+//   q      uint8 [groups, K / 32 * quant rows, kLanes]: per block of 32 inputs, the block's quant bytes of every
+//          feature of the group side by side (Q4_1: 16 bytes, inputs j and 16 + j in the low and high nibble of
+//          byte j, as GGUF has them; Q8_0: 32 int8);
+//   scales float16 [groups, K / 32, 2, kLanes]: per block, GGUF's d then m (Q8_0: m = 0).
+// The bytes are GGUF's own, so a step reads as much as over the file's layout. A SIMD vector holds kLanes
+// different output features: one load, a widening and two conversions expand the weights of two inputs, and
+// every activation row uses them with one FMA each. Nothing is reduced across lanes, each broadcast activation
+// feeds kGroups FMAs, and the expansion is shared by up to kRowTile rows. The row layout (gguf_rows_cpu.cpp)
+// needed a horizontal sum per row and feature and an expansion per row tile: it runs SmolLM2's linears at ~200
+// GFLOP/s from 8 rows up on Zen 5, this one at 300-400. It stays for 1-3 rows (kernels/gguf.py), where it is
+// ~15% faster.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,8 +25,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -35,213 +47,301 @@ constexpr int64_t kQ8_0Bytes = 34;
 // ggml's type ids, so the Python side can pass what the GGUF file says.
 constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
-// Activation rows handled together: each weight block is expanded once and used for this many rows (AVX-512
-// has the registers for 8: one accumulator per row, 16 floats wide).
-#ifdef CONVEYOR_GGUF_AVX512
-constexpr int kRowTile = 8;
-#else
-constexpr int kRowTile = 4;
-#endif
-// Output features whose weight rows stay in cache while every row tile uses them (SmolLM2: 16 x 360-960 bytes).
-constexpr int64_t kFeatureChunk = 16;
-// Output features per parallel task: a few KB of weights, enough to outweigh a thread's wake-up.
-constexpr int64_t kGrainFeatures = 32;
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-#ifdef CONVEYOR_GGUF_AVX2
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
-
+// The SIMD level the kernel is written against: a vector V of kLanes floats, and what expands kLanes quants into
+// one: widen kLanes bytes to 32-bit lanes (I), take their nibbles, convert to float.
 #ifdef CONVEYOR_GGUF_AVX512
-// The SIMD level dot_rows is written against: 16 floats a vector here.
 struct Simd {
   using V = __m512;
+  using I = __m512i;
   static constexpr int kLanes = 16;
+  static constexpr int kRowTile = 12;  // 12 x kGroups accumulators + weights, d, m of 32 registers
+  static constexpr int kAccumulators = 24;
   static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  // Accumulators per row: few rows leave too few independent FMA chains to hide their latency.
-  static constexpr int accumulators(int rows) { return rows <= 2 ? 2 : 1; }
-};
-
-// The 32 weights of one block as two vectors of 16 floats: elements 0-15 (low nibbles), 16-31 (high nibbles).
-inline void expand_q4_1(const uint8_t* block, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_to_float(block));
-  const __m512 m = _mm512_set1_ps(half_to_float(block + 2));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), d, m);
-  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), d,
-                         m);
-}
-
-inline void expand_q8_0(const uint8_t* block, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_to_float(block));
-  for (int i = 0; i < 2; ++i) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * i));
-    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d);
+  static V load_half(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-}
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static I widen(const uint8_t* p, bool is_signed) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+  }
+  static V low_nibbles(I v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))); }
+  static V high_nibbles(I v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+  static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
+};
 #elif defined(CONVEYOR_GGUF_AVX2)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 struct Simd {
   using V = __m256;
+  using I = __m256i;
   static constexpr int kLanes = 8;
+  static constexpr int kRowTile = 5;  // 5 x kGroups accumulators + weights, d, m of 16 registers
+  static constexpr int kAccumulators = 10;
   static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static float sum(V v) { return hsum(v); }
-  // One accumulator per 8-weight group when a single row leaves registers to spare, two per row otherwise.
-  static constexpr int accumulators(int rows) { return rows == 1 ? 4 : 2; }
-};
-
-// The 32 weights of one block as four vectors of 8 floats.
-inline void expand_q4_1(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(block));
-  const __m256 m = _mm256_set1_ps(half_to_float(block + 2));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(raw, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
-}
-
-inline void expand_q8_0(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(block));
-  for (int i = 0; i < 4; ++i) {
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
-    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+  static V load_half(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-}
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static I widen(const uint8_t* p, bool is_signed) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  }
+  static V low_nibbles(I v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))); }
+  static V high_nibbles(I v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+  static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
+};
+#else
+struct Simd {  // portable: the same loops over plain arrays, for builds without AVX2
+  static constexpr int kLanes = 8;
+  static constexpr int kRowTile = 8;
+  static constexpr int kAccumulators = 16;
+  struct V {
+    float v[kLanes];
+  };
+  struct I {
+    int32_t v[kLanes];
+  };
+  static V zero() { return V{}; }
+  static V load_half(const c10::Half* p) {
+    V r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  static V set1(float x) {
+    V r;
+    std::fill(r.v, r.v + kLanes, x);
+    return r;
+  }
+  static V fmadd(V a, V b, V c) {
+    for (int i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  static V mul(V a, V b) {
+    for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static V add(V a, V b) {
+    for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static void store(float* p, V v) { std::memcpy(p, v.v, sizeof v.v); }
+  static I widen(const uint8_t* p, bool is_signed) {
+    I r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = is_signed ? static_cast<int8_t>(p[i]) : p[i];
+    return r;
+  }
+  static V low_nibbles(I v) {
+    V r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(v.v[i] & 0x0F);
+    return r;
+  }
+  static V high_nibbles(I v) {
+    V r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(v.v[i] >> 4);
+    return r;
+  }
+  static V to_float(I v) {
+    V r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(v.v[i]);
+    return r;
+  }
+};
 #endif
 
-#ifdef CONVEYOR_GGUF_AVX2
-// out[r, n] for the rows of one tile: each block is expanded once and multiplied with every row's activations.
+constexpr int kLanes = Simd::kLanes;
+// Feature groups one pass computes: each activation, broadcast once, feeds kGroups FMAs (one broadcast per FMA
+// ran at half the FMA rate on Zen 5).
+constexpr int kGroups = 2;
+// Independent FMA chains per row and group: few rows need several to hide the FMA latency (a Q4_1 byte feeds
+// two dependent FMAs per chain). As many as the accumulator registers allow, of 4, 2 or 1.
+constexpr int chains(int rows) {
+  return rows * kGroups * 4 <= Simd::kAccumulators ? 4 : rows * kGroups * 2 <= Simd::kAccumulators ? 2 : 1;
+}
+// Quant bytes per input and feature lane: Q4_1 keeps GGUF's nibble pairs (inputs j and 16 + j of a block in one
+// byte), Q8_0 one int8.
+constexpr int64_t quant_rows_per_block(int64_t type) { return type == kTypeQ4_1 ? kBlock / 2 : kBlock; }
+
+using V = Simd::V;
+
+// acc[r][g][*] += w[g] * x[r, k] for every row r and group g of the pass.
+template <int Rows, int Chains>
+inline void accumulate(V (&acc)[Rows][kGroups][Chains], const V (&w)[kGroups], const float* x, int64_t x_stride,
+                       int chain) {
+  for (int r = 0; r < Rows; ++r) {
+    const V xv = Simd::set1(x[r * x_stride]);
+    for (int g = 0; g < kGroups; ++g) acc[r][g][chain] = Simd::fmadd(w[g], xv, acc[r][g][chain]);
+  }
+}
+
+// out[r, 0:kGroups * kLanes] for `Rows` rows and kGroups consecutive feature groups, over all K inputs.
 template <int64_t Type, int Rows>
-void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
-              int64_t out_stride) {
-  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  constexpr int kVecs = kBlock / Simd::kLanes;
-  constexpr int kAcc = Simd::accumulators(Rows);
-  typename Simd::V acc[Rows][kAcc];
+void group_rows(const uint8_t* q, const c10::Half* scales, int64_t group_q, int64_t group_scales,
+                int64_t num_blocks, const float* x, int64_t x_stride, float* out, int64_t out_stride) {
+  constexpr int kChains = chains(Rows);
+  constexpr int64_t kQuantRows = quant_rows_per_block(Type);
+  V acc[Rows][kGroups][kChains];
   for (int r = 0; r < Rows; ++r)
-    for (int a = 0; a < kAcc; ++a) acc[r][a] = Simd::zero();
-  typename Simd::V w[kVecs];
+    for (int g = 0; g < kGroups; ++g)
+      for (int c = 0; c < kChains; ++c) acc[r][g][c] = Simd::zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if constexpr (Type == kTypeQ4_1) {
-      expand_q4_1(weight_row + b * bytes, w);
-    } else {
-      expand_q8_0(weight_row + b * bytes, w);
+    V d[kGroups], m[kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      d[g] = Simd::load_half(scales + g * group_scales + b * 2 * kLanes);
+      m[g] = Simd::load_half(scales + g * group_scales + (b * 2 + 1) * kLanes);
     }
-    for (int r = 0; r < Rows; ++r) {
-      const float* xb = x + r * x_stride + b * kBlock;
-      for (int i = 0; i < kVecs; ++i) {
-        acc[r][i % kAcc] = Simd::fmadd(w[i], Simd::load(xb + i * Simd::kLanes), acc[r][i % kAcc]);
+    const uint8_t* qb = q + b * kQuantRows * kLanes;
+    const float* xb = x + b * kBlock;
+    for (int64_t j = 0; j < kQuantRows; j += kChains) {
+      for (int c = 0; c < kChains; ++c) {
+        const uint8_t* qj = qb + (j + c) * kLanes;
+        if constexpr (Type == kTypeQ4_1) {
+          V lo[kGroups], hi[kGroups];
+          for (int g = 0; g < kGroups; ++g) {
+            const typename Simd::I v = Simd::widen(qj + g * group_q, false);
+            lo[g] = Simd::fmadd(Simd::low_nibbles(v), d[g], m[g]);
+            hi[g] = Simd::fmadd(Simd::high_nibbles(v), d[g], m[g]);
+          }
+          accumulate<Rows, kChains>(acc, lo, xb + j + c, x_stride, c);
+          accumulate<Rows, kChains>(acc, hi, xb + 16 + j + c, x_stride, c);
+        } else {
+          V w[kGroups];
+          for (int g = 0; g < kGroups; ++g) w[g] = Simd::mul(Simd::to_float(Simd::widen(qj + g * group_q, true)), d[g]);
+          accumulate<Rows, kChains>(acc, w, xb + j + c, x_stride, c);
+        }
       }
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    typename Simd::V total = acc[r][0];
-    for (int a = 1; a < kAcc; ++a) total = Simd::add(total, acc[r][a]);
-    out[r * out_stride] = Simd::sum(total);
-  }
-}
-#else
-inline void expand_block(int64_t type, const uint8_t* block, float w[kBlock]) {
-  const float d = half_to_float(block);
-  if (type == kTypeQ4_1) {
-    const float m = half_to_float(block + 2);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = static_cast<float>(block[4 + j] & 0x0F) * d + m;
-      w[16 + j] = static_cast<float>(block[4 + j] >> 4) * d + m;
-    }
-  } else {
-    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(static_cast<int8_t>(block[2 + j])) * d;
-  }
-}
-
-template <int64_t Type, int Rows>
-void dot_rows(const uint8_t* weight_row, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
-              int64_t out_stride) {
-  constexpr int64_t bytes = Type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  float acc[Rows] = {};
-  float w[kBlock];
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    expand_block(Type, weight_row + b * bytes, w);
-    for (int r = 0; r < Rows; ++r) {
-      const float* xb = x + r * x_stride + b * kBlock;
-      for (int j = 0; j < kBlock; ++j) acc[r] += w[j] * xb[j];
+    for (int g = 0; g < kGroups; ++g) {
+      V total = acc[r][g][0];
+      for (int c = 1; c < kChains; ++c) total = Simd::add(total, acc[r][g][c]);
+      Simd::store(out + r * out_stride + g * kLanes, total);
     }
   }
-  for (int r = 0; r < Rows; ++r) out[r * out_stride] = acc[r];
 }
-#endif
 
 template <int64_t Type, int... Rows>
-void dot_tile(int rows, const uint8_t* wr, int64_t num_blocks, const float* x, int64_t x_stride, float* out,
-              int64_t out_stride, std::integer_sequence<int, Rows...>) {
+void group_tile(int rows, const uint8_t* q, const c10::Half* scales, int64_t group_q, int64_t group_scales,
+                int64_t num_blocks, const float* x, int64_t x_stride, float* out, int64_t out_stride,
+                std::integer_sequence<int, Rows...>) {
   // rows in [1, kRowTile]: the instantiation for exactly that many rows.
-  ((rows == Rows + 1 ? dot_rows<Type, Rows + 1>(wr, num_blocks, x, x_stride, out, out_stride) : void()), ...);
+  ((rows == Rows + 1 ? group_rows<Type, Rows + 1>(q, scales, group_q, group_scales, num_blocks, x, x_stride, out,
+                                                 out_stride)
+                     : void()),
+   ...);
 }
 
-// A chunk of features at a time, every row tile over it: the chunk's weight rows (a few KB) are read from memory
-// once and stay in cache for all the row tiles, and each row tile's activations stay in cache for the chunk.
+// Passes [p_begin, p_end) of kGroups feature groups each, every row tile over each: a pass's weights (a few tens
+// of KB) stay in L1/L2 while all the row tiles use them. A pass that reaches past the last feature (the weight
+// is padded with zero groups) is computed into scratch.
 template <int64_t Type>
-void linear_rows(const uint8_t* weight, int64_t row_bytes, int64_t num_blocks, const float* x, int64_t num_rows,
-                 int64_t in_features, float* out, int64_t out_features, int64_t n_begin, int64_t n_end) {
-  for (int64_t c0 = n_begin; c0 < n_end; c0 += kFeatureChunk) {
-    const int64_t c1 = std::min(n_end, c0 + kFeatureChunk);
-    for (int64_t r0 = 0; r0 < num_rows; r0 += kRowTile) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, num_rows - r0));
-      for (int64_t n = c0; n < c1; ++n) {
-        dot_tile<Type>(rows, weight + n * row_bytes, num_blocks, x + r0 * in_features, in_features,
-                       out + r0 * out_features + n, out_features, std::make_integer_sequence<int, kRowTile>{});
+void linear_passes(const uint8_t* q, const c10::Half* scales, int64_t in_features, const float* x,
+                   int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
+  const int64_t num_blocks = in_features / kBlock;
+  const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes, group_scales = num_blocks * 2 * kLanes;
+  constexpr int64_t kPassFeatures = kGroups * kLanes;
+  float scratch[Simd::kRowTile * kPassFeatures];
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int64_t n0 = p * kPassFeatures;
+    const bool partial = n0 + kPassFeatures > out_features;
+    for (int64_t r0 = 0; r0 < num_rows; r0 += Simd::kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(Simd::kRowTile, num_rows - r0));
+      float* dst = partial ? scratch : out + r0 * out_features + n0;
+      const int64_t dst_stride = partial ? kPassFeatures : out_features;
+      group_tile<Type>(rows, q + p * kGroups * group_q, scales + p * kGroups * group_scales, group_q, group_scales,
+                       num_blocks, x + r0 * in_features, in_features, dst, dst_stride,
+                       std::make_integer_sequence<int, Simd::kRowTile>{});
+      if (partial) {
+        for (int r = 0; r < rows; ++r)
+          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
+                      (out_features - n0) * sizeof(float));
       }
     }
   }
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type, int64_t out_features) {
-  TORCH_CHECK(ggml_type == kTypeQ4_1 || ggml_type == kTypeQ8_0, "gguf_linear: unsupported ggml type ", ggml_type,
+int64_t num_passes(int64_t out_features) {
+  return (out_features + kGroups * kLanes - 1) / (kGroups * kLanes);
+}
+
+void check_type(int64_t ggml_type) {
+  TORCH_CHECK(ggml_type == kTypeQ4_1 || ggml_type == kTypeQ8_0, "gguf: unsupported ggml type ", ggml_type,
               " (Q4_1 = 3, Q8_0 = 8)");
+}
+
+// GGUF rows of blocks uint8 [N, K / 32 * block bytes] -> (q, scales) in the kernel's layout (see the top).
+std::tuple<at::Tensor, at::Tensor> gguf_prepare(const at::Tensor& weight, int64_t ggml_type, int64_t in_features) {
+  check_type(ggml_type);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "gguf_prepare: weight must be uint8 [N, bytes]");
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0, "gguf_prepare: K must be a multiple of 32, got ",
+              in_features);
+  const int64_t num_blocks = in_features / kBlock;
+  const bool q4 = ggml_type == kTypeQ4_1;
+  const int64_t block_bytes = q4 ? kQ4_1Bytes : kQ8_0Bytes, quant_rows = quant_rows_per_block(ggml_type);
+  TORCH_CHECK(weight.size(1) == num_blocks * block_bytes, "gguf_prepare: weight rows hold ", weight.size(1),
+              " bytes, expected ", num_blocks * block_bytes, " for K = ", in_features);
+  const at::Tensor w = weight.contiguous();
+  const int64_t out_features = w.size(0);
+  const int64_t groups = num_passes(out_features) * kGroups;
+  at::Tensor q = at::zeros({groups, num_blocks * quant_rows, kLanes}, w.options());
+  at::Tensor scales = at::zeros({groups, num_blocks, 2, kLanes}, w.options().dtype(at::kHalf));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  auto* sp = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t g = n / kLanes, lane = n % kLanes;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const uint8_t* block = src + (n * num_blocks + b) * block_bytes;
+        uint16_t* s = sp + ((g * num_blocks + b) * 2) * kLanes + lane;
+        std::memcpy(s, block, 2);  // d, as GGUF's fp16
+        if (q4) std::memcpy(s + kLanes, block + 2, 2);  // m
+        const uint8_t* quants = block + (q4 ? 4 : 2);
+        uint8_t* qb = qp + (g * num_blocks + b) * quant_rows * kLanes + lane;
+        for (int64_t j = 0; j < quant_rows; ++j) qb[j * kLanes] = quants[j];
+      }
+    }
+  });
+  return {q, scales};
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t ggml_type,
+                       int64_t out_features) {
+  check_type(ggml_type);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear: x must be float32 [M, K]");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-              "gguf_linear: weight must be contiguous uint8 [N, K / 32 * block bytes]");
   const int64_t in_features = x.size(1);
   TORCH_CHECK(in_features % kBlock == 0, "gguf_linear: K must be a multiple of 32, got ", in_features);
-  const int64_t num_blocks = in_features / kBlock;
-  const int64_t row_bytes = num_blocks * (ggml_type == kTypeQ4_1 ? kQ4_1Bytes : kQ8_0Bytes);
-  TORCH_CHECK(weight.size(0) == out_features && weight.size(1) == row_bytes, "gguf_linear: weight is ",
-              weight.sizes(), ", expected [", out_features, ", ", row_bytes, "] for K = ", in_features);
+  const int64_t groups = num_passes(out_features) * kGroups, num_blocks = in_features / kBlock;
+  const int64_t quant_rows = num_blocks * quant_rows_per_block(ggml_type);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 3 && q.size(0) == groups &&
+                  q.size(1) == quant_rows && q.size(2) == kLanes,
+              "gguf_linear: q is ", q.sizes(), ", expected [", groups, ", ", quant_rows, ", ", kLanes,
+              "] from gguf_prepare for K = ", in_features, " and ", out_features, " features");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == groups && scales.size(1) == num_blocks && scales.size(3) == kLanes,
+              "gguf_linear: scales is ", scales.sizes(), ", expected [", groups, ", ", num_blocks, ", 2, ", kLanes,
+              "] float16");
   const at::Tensor xc = x.contiguous();
   const int64_t num_rows = xc.size(0);
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   if (num_rows == 0) return out;
-  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<at::Half>();
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, out_features, kGrainFeatures, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups / kGroups, 1, [&](int64_t begin, int64_t end) {
     if (ggml_type == kTypeQ4_1) {
-      linear_rows<kTypeQ4_1>(w, row_bytes, num_blocks, xp, num_rows, in_features, op, out_features, begin, end);
+      linear_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     } else {
-      linear_rows<kTypeQ8_0>(w, row_bytes, num_blocks, xp, num_rows, in_features, op, out_features, begin, end);
+      linear_passes<kTypeQ8_0>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     }
   });
   return out;
@@ -250,9 +350,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t gg
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features) -> Tensor");
+  m.def("gguf_prepare(Tensor weight, int ggml_type, int in_features) -> (Tensor, Tensor)");
+  m.def("gguf_linear(Tensor x, Tensor q, Tensor scales, int ggml_type, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("gguf_prepare", &gguf_prepare);
   m.impl("gguf_linear", &gguf_linear);
 }
