@@ -31,22 +31,11 @@
 #include <tuple>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define CONVEYOR_GGUF_AVX2 1
-#if defined(__AVX512F__)
-#define CONVEYOR_GGUF_AVX512 1
-#endif
-#endif
+#include "gguf_blocks.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1Bytes = 20;
-constexpr int64_t kQ8_0Bytes = 34;
-// ggml's type ids, so the Python side can pass what the GGUF file says.
-constexpr int64_t kTypeQ4_1 = 3;
-constexpr int64_t kTypeQ8_0 = 8;
+using namespace conveyor_gguf;
 
 // The SIMD level the kernel is written against: a vector V of kLanes floats, and what expands kLanes quants into
 // one: widen kLanes bytes to 32-bit lanes (I), take their nibbles, convert to float.

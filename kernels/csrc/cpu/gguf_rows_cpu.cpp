@@ -20,22 +20,11 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define CONVEYOR_GGUF_AVX2 1
-#if defined(__AVX512F__)
-#define CONVEYOR_GGUF_AVX512 1
-#endif
-#endif
+#include "gguf_blocks.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1Bytes = 20;
-constexpr int64_t kQ8_0Bytes = 34;
-// ggml's type ids, so the Python side can pass what the GGUF file says.
-constexpr int64_t kTypeQ4_1 = 3;
-constexpr int64_t kTypeQ8_0 = 8;
+using namespace conveyor_gguf;
 // Activation rows handled together: each weight block is expanded once and used for this many rows (AVX-512
 // has the registers for 8: one accumulator per row, 16 floats wide).
 #ifdef CONVEYOR_GGUF_AVX512

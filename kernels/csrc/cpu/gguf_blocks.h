@@ -1,0 +1,24 @@
+// What the two GGUF-block linears share (gguf_rows_cpu.cpp, gguf_linear_cpu.cpp): GGUF's block constants and the
+// SIMD level they compile for. cpu_ext.py folds this header into the build flags, so an edit rebuilds them.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CONVEYOR_GGUF_AVX2 1
+#if defined(__AVX512F__)
+#define CONVEYOR_GGUF_AVX512 1
+#endif
+#endif
+
+namespace conveyor_gguf {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ8_0Bytes = 34;
+// ggml's type ids, so the Python side can pass what the GGUF file says.
+constexpr int64_t kTypeQ4_1 = 3;
+constexpr int64_t kTypeQ8_0 = 8;
+
+}  // namespace conveyor_gguf
