@@ -88,6 +88,8 @@ class ServeArgs(BaseModel):
     # routing
     request_router_class: str | None = DEFAULT_ROUTER  # None or "": Serve's default power-of-two router
     request_routing_stats_period_s: float = Field(0.5, gt=0)
+    # streaming: each replica sends one message per engine step for all of an ingress's streams (router/mux.py)
+    stream_mux: bool = True
 
     @model_validator(mode="after")
     def _check_engine(self) -> ServeArgs:
@@ -119,7 +121,7 @@ class ServeArgs(BaseModel):
         return IngressSettings(model_name=name, model_aliases=aliases, api_key=self.api_key,
                                max_body_bytes=self.max_body_bytes,
                                replica_wait_timeout_s=self.replica_wait_timeout_s,
-                               ready_timeout_s=self.ready_timeout_s)
+                               ready_timeout_s=self.ready_timeout_s, stream_mux=self.stream_mux)
 
     def replica_options(self) -> dict[str, Any]:
         # The engine's waiting queue is the admission bound (it answers 429); Serve must not cap or queue

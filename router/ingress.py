@@ -46,6 +46,9 @@ class IngressSettings(BaseModel):
     max_body_bytes: int = 1 << 20
     replica_wait_timeout_s: float = 30.0
     ready_timeout_s: float = 2.0
+    # Streamed records from each engine replica come in one message per engine step for all of this ingress's
+    # streams there (router/mux.py), not one message per token per stream.
+    stream_mux: bool = True
 
 
 # serve.ingress pickles the app and this class when the decorator runs, with the module globals that exist
@@ -96,6 +99,9 @@ class Ingress:
         count_rejections_with(lambda reason: rejected(settings.model_name, ingress_label, reason).inc())
         self._count_cut = REQUESTS_CUT.labels(settings.model_name, ingress_label).inc
         self._count_hand_back = REQUESTS_HANDED_BACK.labels(settings.model_name, ingress_label).inc
+        from conveyor.router.demux import Demux
+
+        self._demux = Demux(engine, ingress_label) if settings.stream_mux else None
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")
@@ -234,7 +240,7 @@ class Ingress:
     async def _start_all(self, requests: list[dict]) -> list[StartedStream]:
         """Start every choice; if any fails, cancel the others and raise its error."""
         wait_s = self.settings.replica_wait_timeout_s
-        tasks = [asyncio.ensure_future(start_stream(self.engine, r, wait_s, self._count_hand_back))
+        tasks = [asyncio.ensure_future(start_stream(self.engine, r, wait_s, self._count_hand_back, self._demux))
                  for r in requests]
         try:
             return list(await asyncio.gather(*tasks))

@@ -149,6 +149,10 @@ class LoadTracker:
         self._sent_since_stats[replica] = self._sent_since_stats.get(replica, 0) + 1
         self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
 
+    def forget_send(self, replica: Hashable) -> None:
+        """A send that carried no engine work (a subscription): not hiding in any queue."""
+        self._sent_since_stats[replica] = max(0, self._sent_since_stats.get(replica, 0) - 1)
+
     def on_completed(self, replica: Hashable) -> None:
         # Clamp: a completion can be reported for a send this tracker never saw (e.g. after a replica update).
         self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)

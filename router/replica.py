@@ -17,6 +17,8 @@ from typing import Any
 
 from ray import serve
 
+from conveyor.router.drain import ROUTE_KEY
+from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY, MuxHub, StreamMux
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.outputs import RequestOutput, SampledToken, merge_outputs
 from conveyor.serving.request import SamplingParams
@@ -25,6 +27,9 @@ from conveyor.serving.scheduler import QueueFullError
 logger = logging.getLogger(__name__)
 
 ROUTING_PREFIX_CHARS = 2048
+# A subscription with no request attached ends after this long (the ingress opens a new one when it needs it),
+# so that it never holds a stopping replica's drain open for long.
+SUBSCRIPTION_IDLE_S = 1.0
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
@@ -108,6 +113,8 @@ class EngineReplica:
         self._test_hooks = test_hooks
         self.metrics.bind_load(self.engine.load)
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
+        self._muxes = MuxHub()
+        self._num_batches = self._num_muxed_records = 0  # evidence for tests: records per subscription message
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -135,10 +142,19 @@ class EngineReplica:
         try:
             last = time.monotonic()
             self._ttft.add(last - start)
-            yield self._record(output) | {"replica": self._replica_id}
             # A client that is not streaming reads nothing until the end: send it the rest as one record, not
             # one per token (each record costs both processes an RPC; ~850 a second in the overload drill).
             per_token = request.get("stream", True)
+            mux = self._muxes.get(request.get(SUBSCRIBER_KEY)) if per_token else None
+            yield self._record(output) | {"replica": self._replica_id, MUX_KEY: mux is not None, SEQ_KEY: 0}
+            if mux is not None:
+                latest = [output]  # _via_mux's latest output, for the abort count below
+                try:
+                    async for record in self._via_mux(mux, request.get(ROUTE_KEY, ""), latest, stream):
+                        yield record
+                finally:
+                    output = latest[0]
+                return
             pending: list[RequestOutput] = []
             while not output.finished:
                 output = await anext(stream)
@@ -155,6 +171,58 @@ class EngineReplica:
             if not output.finished:
                 self._num_aborted += 1
             await stream.aclose()
+
+    async def _via_mux(self, mux: StreamMux, key: str, latest: list[RequestOutput],
+                       stream: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+        """After the first record (latest[0]): the engine's outputs go to the ingress's subscription; this returns
+        once the last has left in a batch. Records are yielded here only if the subscription closed meanwhile.
+        latest[0] is kept at the newest output."""
+        output = latest[0]
+        request_id = output.request_id
+        mux.attach(request_id, key)
+        try:
+            last = time.monotonic()
+            while not output.finished and not mux.closed:
+                output = latest[0] = await anext(stream)
+                now = time.monotonic()
+                self._itl.add(now - last)
+                last = now
+                mux.put(output)
+            if not mux.closed:
+                await mux.wait_final_taken(request_id)
+        finally:
+            leftover, seq = mux.detach(request_id)
+        if not mux.closed:
+            return
+        # The subscription went away: what it did not take, and the rest, come on this stream.
+        if leftover:
+            yield self._record(merge_outputs(leftover)) | {SEQ_KEY: seq}
+            seq += 1
+        while not output.finished:
+            output = latest[0] = await anext(stream)
+            yield self._record(output) | {SEQ_KEY: seq}
+            seq += 1
+
+    async def subscribe(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One ingress's subscription (router/mux.py): every step's records for its muxed streams, one message."""
+        subscriber = request[SUBSCRIBER_KEY]
+        if self._muxes.get(subscriber) is not None:  # it has one here: this one was meant for another replica
+            yield {"duplicate": self._replica_id}
+            return
+        mux = self._muxes.open(subscriber)
+        try:
+            yield {"subscribed": self._replica_id}
+            while True:
+                batch = await mux.take(SUBSCRIPTION_IDLE_S)
+                if batch is None:
+                    if mux.num_attached == 0:
+                        return
+                    continue
+                self._num_batches += 1
+                self._num_muxed_records += len(batch)
+                yield {"batch": [(key, seq, self._record(out)) for key, seq, out in batch]}
+        finally:
+            self._muxes.close(subscriber, mux)
 
     def _prompt(self, request: dict[str, Any]) -> list[int]:
         """Token ids (tokenized once, here): the length decides an unset max_tokens."""
@@ -238,7 +306,9 @@ class EngineReplica:
         """Block accounting, for tests: a finished or aborted request must hold no blocks."""
         load = self.engine.load()
         return self.engine.block_state() | {"num_waiting": load.num_waiting, "num_running": load.num_running,
-                                            "num_aborted": self._num_aborted}
+                                            "num_aborted": self._num_aborted, "num_batches": self._num_batches,
+                                            "num_muxed_records": self._num_muxed_records,
+                                            "num_subscriptions": self._muxes.num_open}
 
     def process_stats(self) -> dict[str, Any]:
         """Which replica answered, its pid and resident memory, with its block accounting: for soak tests

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -12,9 +13,11 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
 
+from conveyor.router.demux import Demux
 from conveyor.router.drain import DEPARTURES, ROUTE_KEY
 from conveyor.router.errors import ApiError
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
+from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY
 
 logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
 
@@ -24,35 +27,93 @@ MAX_ATTEMPTS = 2
 MAX_HAND_BACKS = 3  # a request is sent again when its replica drains before it starts: bounded, not forever
 
 
+# A record that the own stream ended: after it, the muxed records still due get this long to arrive.
+MUXED_TAIL_TIMEOUT_S = 10.0
+
+
 @dataclass
 class StartedStream:
-    """A replica stream whose first record has arrived (so the request is admitted and has a token)."""
+    """A replica stream whose first record has arrived (so the request is admitted and has a token). When the
+    first record says so, the rest comes on the ingress's subscription to that replica (router/mux.py) and,
+    if the subscription goes away, on this stream again: both feed `queue`, and `seq` restores the order."""
 
     first: dict[str, Any]
     gen: DeploymentResponseGenerator
+    queue: asyncio.Queue | None = None
+    release: Callable[[], None] | None = None
 
     async def records(self) -> AsyncIterator[dict[str, Any]]:
         yield self.first
-        if self.first.get("finish_reason") is None:
+        if self.first.get("finish_reason") is not None:
+            return
+        if self.queue is None:
             async for record in self.gen:
                 yield record
+            return
+        own = asyncio.ensure_future(self._pump_own())
+        try:
+            async for record in self._muxed():
+                yield record
+        finally:
+            own.cancel()
+            self.release()
+
+    async def _pump_own(self) -> None:
+        try:
+            async for record in self.gen:
+                self.queue.put_nowait((record[SEQ_KEY], record))
+            self.queue.put_nowait(_OWN_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            self.queue.put_nowait(exc)
+
+    async def _muxed(self) -> AsyncIterator[dict[str, Any]]:
+        expected, held, own_ended = 1, {}, False
+        while True:
+            timeout = MUXED_TAIL_TIMEOUT_S if own_ended else None
+            try:
+                item = await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                raise RuntimeError("records of a multiplexed stream never arrived") from None
+            if item is _OWN_END:
+                own_ended = True
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            seq, record = item
+            held[seq] = record
+            while expected in held:
+                record = held.pop(expected)
+                expected += 1
+                yield record
+                if record.get("finish_reason") is not None:
+                    return
 
     def cancel(self) -> None:
         # Cancels the replica's generator; its `finally` closes the engine stream, which aborts the request.
         self.gen.cancel()
+        if self.release is not None:
+            self.release()
+
+
+_OWN_END = object()
 
 
 async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_timeout_s: float,
-                       on_hand_back: Callable[[], None] | None = None) -> StartedStream:
+                       on_hand_back: Callable[[], None] | None = None, demux: Demux | None = None) -> StartedStream:
     num_failed = num_handed_back = 0
+    muxable = demux is not None and request.get("stream", True)
     while True:
         # A key per attempt: a late routing event of an earlier attempt must not wake this one.
         key = f"{request.get('request_id')}/{num_failed}/{num_handed_back}"
+        queue = demux.register(key) if muxable else None
+        extra = {ROUTE_KEY: key} | ({SUBSCRIBER_KEY: demux.subscriber} if muxable else {})
+        started = False
         with DEPARTURES.watch(key) as replica_left:
-            gen = handle.options(stream=True).generate.remote(request | {ROUTE_KEY: key})
+            gen = handle.options(stream=True).generate.remote(request | extra)
             try:
                 await _wait_assigned(gen, wait_timeout_s)
                 first = await _first_record(gen, replica_left)
+                started = True
             except HandedBack:
                 gen.cancel()  # the draining replica aborts it in its engine
                 num_handed_back += 1
@@ -76,7 +137,16 @@ async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_t
             except BaseException:  # client gone (CancelledError) or an unexpected failure: free the replica
                 gen.cancel()
                 raise
-        return StartedStream(_raise_if_error(first), gen)
+            finally:
+                if queue is not None and not started:
+                    demux.unregister(key)  # a retry registers its own key
+        if queue is None:
+            return StartedStream(_raise_if_error(first), gen)
+        demux.ensure_subscribed(first.get("replica"))  # for this replica's next streams, if none is open
+        if not first.get(MUX_KEY) or first.get("error") is not None:
+            demux.unregister(key)
+            return StartedStream(_raise_if_error(first), gen)
+        return StartedStream(first, gen, queue, functools.partial(demux.unregister, key))
 
 
 class HandedBack(Exception):

@@ -1,0 +1,88 @@
+"""Ingress side of stream multiplexing (router/mux.py): one subscription per engine replica, its batches handed
+to the streams they belong to.
+
+A stream is registered under its attempt's route key before its request is sent, so a batch that overtakes the
+request's own first record still finds it. A subscription opens when a first record shows a replica this
+ingress has none to; until then (and if it cannot open) that replica's streams use their own Serve streams.
+
+A subscription is routed like a request, not pinned: Serve's FIFO routing hands the replica found for one call
+to whichever call waits first, so a pinned call could land elsewhere and hold up the requests behind it. With
+one replica it lands there; with several it lands by load, a replica that has one already turns it away, and
+the next first record from an uncovered replica tries again. Which replica carries a record does not matter for
+correctness: records are matched to streams by route key.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from conveyor.router.mux import SUBSCRIBER_KEY, SUBSCRIPTION_KEY
+
+logger = logging.getLogger("ray.serve")
+
+OPEN_TIMEOUT_S = 5.0  # a subscription that takes longer to be answered is given up (and tried again later)
+RETRY_AFTER_S = 1.0  # after a subscription failed or was turned away, before the next try
+
+
+class Demux:
+    def __init__(self, handle: DeploymentHandle, subscriber: str) -> None:
+        self._handle = handle
+        self.subscriber = subscriber
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._subscriptions: dict[str, asyncio.Task] = {}  # by the replica each one landed on
+        self._opening: asyncio.Task | None = None
+        self._last_failure = -RETRY_AFTER_S
+
+    def register(self, key: str) -> asyncio.Queue:
+        """The queue that batches put this stream's (seq, record) pairs into."""
+        queue = self._queues[key] = asyncio.Queue()
+        return queue
+
+    def unregister(self, key: str) -> None:
+        self._queues.pop(key, None)
+
+    def ensure_subscribed(self, replica: str | None) -> None:
+        """Open a subscription unless `replica` has one, one is opening, or one failed a moment ago."""
+        if not replica or replica in self._subscriptions or self._opening is not None:
+            return
+        if time.monotonic() - self._last_failure < RETRY_AFTER_S:
+            return
+        self._opening = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        request: dict[str, Any] = {SUBSCRIBER_KEY: self.subscriber, SUBSCRIPTION_KEY: self.subscriber}
+        gen = self._handle.options(stream=True).subscribe.remote(request)
+        replica = None
+        try:
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), OPEN_TIMEOUT_S)
+            finally:
+                self._opening = None
+            replica = first.get("subscribed")
+            if replica is None:  # it landed on a replica that has one already
+                self._last_failure = time.monotonic()
+                return
+            self._subscriptions[replica] = asyncio.current_task()
+            async for item in gen:
+                queues = self._queues
+                for key, seq, record in item["batch"]:
+                    queue = queues.get(key)
+                    if queue is not None:  # else its client left: nothing waits for it
+                        queue.put_nowait((seq, record))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gone, stopping, or never answered: the streams fall back
+            logger.info("subscription to replica %s ended: %r", replica, exc)
+            self._last_failure = time.monotonic()
+        finally:
+            gen.cancel()
+            if replica is not None and self._subscriptions.get(replica) is asyncio.current_task():
+                del self._subscriptions[replica]
+
+    def close(self) -> None:
+        for task in [*self._subscriptions.values(), *([self._opening] if self._opening else [])]:
+            task.cancel()
