@@ -98,6 +98,10 @@ class MuxHub:
     def num_open(self) -> int:
         return len(self._muxes)
 
+    @property
+    def num_attached(self) -> int:
+        return sum(m.num_attached for m in self._muxes.values())
+
     def open(self, subscriber: str) -> StreamMux:
         """A new subscription from `subscriber` replaces an older one (which then closes)."""
         old = self._muxes.get(subscriber)

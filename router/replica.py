@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 ROUTING_PREFIX_CHARS = 2048
 # A subscription with no request attached ends after this long (the ingress opens a new one when it needs it),
 # so that it never holds a stopping replica's drain open for long.
-SUBSCRIPTION_IDLE_S = 1.0
+SUBSCRIPTION_IDLE_S = 5.0
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
@@ -308,7 +308,8 @@ class EngineReplica:
         return self.engine.block_state() | {"num_waiting": load.num_waiting, "num_running": load.num_running,
                                             "num_aborted": self._num_aborted, "num_batches": self._num_batches,
                                             "num_muxed_records": self._num_muxed_records,
-                                            "num_subscriptions": self._muxes.num_open}
+                                            "num_subscriptions": self._muxes.num_open,
+                                            "num_muxed_streams": self._muxes.num_attached}
 
     def process_stats(self) -> dict[str, Any]:
         """Which replica answered, its pid and resident memory, with its block accounting: for soak tests

@@ -288,11 +288,18 @@ def test_concurrent_streams_share_messages_and_equal_their_plain_answers(client:
     kwargs = dict(model=MODEL, max_tokens=24, temperature=0.0, logprobs=1, extra_body={"ignore_eos": True})
     prompts = [f"number {i} of a list of" for i in range(6)]
     plain = [client.completions.create(prompt=p, **kwargs).choices[0] for p in prompts]
-    # A long stream keeps this ingress's subscription open (it ends after a second with nothing attached).
-    keeper = threading.Thread(target=lambda: list(client.completions.create(
-        prompt="keep", stream=True, **kwargs | {"max_tokens": 400})))
-    keeper.start()
+    # A stream that starts before the ingress has a subscription opens one; a second, started while it is open,
+    # is carried by it and keeps it open (it ends a few seconds after its last stream) while the six run.
+    def keep(prompt: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: list(client.completions.create(
+            prompt=prompt, stream=True, **kwargs | {"max_tokens": 400})))
+        thread.start()
+        return thread
+
+    keepers = [keep("open")]
     wait_until(lambda: engine_state(APP)["num_subscriptions"] > 0, 20, "a subscription")
+    keepers.append(keep("keep"))
+    wait_until(lambda: engine_state(APP)["num_muxed_streams"] > 0, 20, "a multiplexed stream")
     before = engine_state(APP)
 
     def streamed(prompt: str) -> list:
@@ -302,7 +309,8 @@ def test_concurrent_streams_share_messages_and_equal_their_plain_answers(client:
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(streamed, prompts))
     after = engine_state(APP)
-    keeper.join(timeout=60)
+    for thread in keepers:
+        thread.join(timeout=60)
     for full, chunks in zip(plain, results, strict=True):
         choices = [c.choices[0] for c in chunks if c.choices]
         assert "".join(c.text for c in choices) == full.text
