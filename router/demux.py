@@ -20,7 +20,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from conveyor.router.mux import SUBSCRIBER_KEY, SUBSCRIPTION_KEY
+from conveyor.router.mux import SUBSCRIBER_KEY
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,7 +54,7 @@ class Demux:
         self._opening = asyncio.ensure_future(self._pump())
 
     async def _pump(self) -> None:
-        request: dict[str, Any] = {SUBSCRIBER_KEY: self.subscriber, SUBSCRIPTION_KEY: self.subscriber}
+        request: dict[str, Any] = {SUBSCRIBER_KEY: self.subscriber}
         gen = self._handle.options(stream=True).subscribe.remote(request)
         replica = None
         try:
@@ -82,7 +82,3 @@ class Demux:
             gen.cancel()
             if replica is not None and self._subscriptions.get(replica) is asyncio.current_task():
                 del self._subscriptions[replica]
-
-    def close(self) -> None:
-        for task in [*self._subscriptions.values(), *([self._opening] if self._opening else [])]:
-            task.cancel()

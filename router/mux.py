@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from conveyor.serving.outputs import RequestOutput, merge_outputs
 
 MUX_KEY = "mux"  # the first record says whether the rest comes on the ingress's subscription
-SEQ_KEY = "seq"  # a record's position in its request's stream (the first record is 0)
+SEQ_KEY = "seq"  # a record's position in its request's stream (the first record, which carries none, is 0)
 SUBSCRIBER_KEY = "subscriber"  # the request names the ingress whose subscription may carry it
-SUBSCRIPTION_KEY = "subscription"  # marks a subscription call (router/routing.py counts it as no load)
 
 
 @dataclass

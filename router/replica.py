@@ -146,7 +146,7 @@ class EngineReplica:
             # one per token (each record costs both processes an RPC; ~850 a second in the overload drill).
             per_token = request.get("stream", True)
             mux = self._muxes.get(request.get(SUBSCRIBER_KEY)) if per_token else None
-            yield self._record(output) | {"replica": self._replica_id, MUX_KEY: mux is not None, SEQ_KEY: 0}
+            yield self._record(output) | {"replica": self._replica_id, MUX_KEY: mux is not None}
             if mux is not None:
                 latest = [output]  # _via_mux's latest output, for the abort count below
                 try:

@@ -22,7 +22,6 @@ from ray.serve.request_router import (
 
 # Reached through its module: Serve pickles this module by value, and drain's registry holds a lock.
 from conveyor.router import drain
-from conveyor.router.mux import SUBSCRIPTION_KEY
 from conveyor.router.prefix_index import LoadTracker, PrefixIndex, RoutingPolicy, rank_replicas
 
 # Key the ingress puts in the request dict: the first 2048 characters of the rendered prompt.
@@ -97,7 +96,7 @@ class LoadAwarePrefixRouter(FIFOMixin, RequestRouter):
         # The replica that accepted the request is the one that will hold its KV blocks: make it the owner
         # even if a fallback rank (not our first choice) took it.
         super().on_request_routed(pending_request, replica_id, result)
-        if _request_field(pending_request, SUBSCRIPTION_KEY) is not None:
+        if pending_request.metadata.call_method == "subscribe":
             self._tracker.on_completed(replica_id)  # a subscription (router/mux.py) is no load: undo its send
             self._tracker.forget_send(replica_id)
             return

@@ -143,7 +143,7 @@ async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_t
         if queue is None:
             return StartedStream(_raise_if_error(first), gen)
         demux.ensure_subscribed(first.get("replica"))  # for this replica's next streams, if none is open
-        if not first.get(MUX_KEY) or first.get("error") is not None:
+        if not first.get(MUX_KEY):  # an error record has no MUX_KEY either
             demux.unregister(key)
             return StartedStream(_raise_if_error(first), gen)
         return StartedStream(first, gen, queue, functools.partial(demux.unregister, key))

@@ -95,18 +95,21 @@ def load_blocks(model_dir: Path) -> dict[str, tuple[Tensor, int]] | None:
 class GGUFLinear(nn.Module):
     """Steps of at most max_rows rows multiply by the GGUF blocks; larger ones call `dense` (the fp32 layer)."""
 
-    def __init__(self, blocks: Tensor, ggml_type: int, dense: nn.Module, out_features: int,
-                 bias: Tensor | None, max_rows: int) -> None:
+    def __init__(self, blocks: Tensor, ggml_type: int, dense: nn.Module, bias: Tensor | None, max_rows: int) -> None:
         super().__init__()
-        if blocks.shape[0] != out_features:
-            raise ValueError(f"GGUF blocks have {blocks.shape[0]} rows, the layer {out_features} features")
         in_features = blocks.shape[1] // gguf.BLOCK_BYTES[ggml_type] * gguf.BLOCK
-        self.weight = gguf.prepare(blocks, ggml_type, in_features)  # the kernel's layout; the blocks are dropped
-        self.ggml_type = ggml_type
+        self.weight = gguf.prepare(blocks, ggml_type, in_features)  # both kernels' layouts
         self.dense = dense
-        self.out_features = out_features
         self.bias = bias
         self.max_rows = max_rows
+
+    @property
+    def ggml_type(self) -> int:
+        return self.weight.ggml_type
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
@@ -151,7 +154,7 @@ def _wrap(parent: nn.Module, attr: str, rows: Tensor, ggml_type: int, max_rows: 
     out_features = dense.out_features
     if rows.shape[0] != out_features:
         raise ValueError(f"{attr}: GGUF blocks have {rows.shape[0]} rows, the layer {out_features}")
-    setattr(parent, attr, GGUFLinear(rows, ggml_type, dense, out_features, dense.bias, max_rows))
+    setattr(parent, attr, GGUFLinear(rows, ggml_type, dense, dense.bias, max_rows))
     return 1
 
 
@@ -163,7 +166,7 @@ def _attach_logits(model: nn.Module, found: tuple[Tensor, int] | None, max_rows:
     if model.lm_head is not None:
         return _wrap(model, "lm_head", rows, ggml_type, max_rows)
     dense = model.packed_logits or _TiedLogits(model.model.embed_tokens.weight)
-    model.packed_logits = GGUFLinear(rows, ggml_type, dense, rows.shape[0], None, max_rows)
+    model.packed_logits = GGUFLinear(rows, ggml_type, dense, None, max_rows)
     return 1
 
 
