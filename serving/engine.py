@@ -23,6 +23,7 @@ from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToke
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
 from conveyor.serving.scheduler import Scheduler
 from conveyor.serving.static_scheduler import StaticScheduler
+from conveyor.serving.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
+        self.step_trace = StepTrace.from_env()
         logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
                     config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
                     num_blocks * block_size)
@@ -195,6 +197,8 @@ class LLMEngine:
             num_preemptions=len(sched.preempted_ids),
             num_prefix_cache_queries=self.kv_cache.num_prefix_queries - queries,
             num_prefix_cache_hits=self.kv_cache.num_prefix_hits - hits)
+        if self.step_trace is not None:
+            self.step_trace.write(stats)
         return outputs, stats
 
     def _wait_for_grammars(self, timeout_s: float = GRAMMAR_WAIT_S) -> None:

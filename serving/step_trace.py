@@ -1,0 +1,40 @@
+"""A per-step trace for diagnosis: CONVEYOR_STEP_TRACE=FILE appends one JSON line per engine step to FILE.
+
+The Prometheus histograms say how long steps take on average; comparing two set-ups needs the steps themselves:
+the same workload behind `conveyor serve` and in process ran the same 162 steps, and only a trace of each showed
+that the served ones were slower at equal batch composition (benchmarks/RESULTS.md, "Session 12"). A line holds
+the step's EngineStepStats (timings included), `t` (time.monotonic(), comparable across processes on one host)
+and `cpu_s`, the CPU this process used since the previous step (all its threads: more than 2x the step time on
+two cores means threads spun or were stalled, not computing). Off unless the variable is set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import IO
+
+from conveyor.serving.outputs import EngineStepStats
+
+ENV_VAR = "CONVEYOR_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime
+        self._last_cpu_s = time.process_time()
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get(ENV_VAR, "").strip()
+        return cls(path) if path else None
+
+    def write(self, stats: EngineStepStats) -> None:
+        cpu_s = time.process_time()
+        record = dataclasses.asdict(stats) | {"t": time.monotonic(), "cpu_s": cpu_s - self._last_cpu_s}
+        self._last_cpu_s = cpu_s
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
