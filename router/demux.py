@@ -39,7 +39,7 @@ class Demux:
 
     def register(self, key: str) -> asyncio.Queue:
         """The queue that batches put this stream's (seq, record) pairs into."""
-        queue = self._queues[key] = asyncio.Queue()
+        self._queues[key] = queue = asyncio.Queue()
         return queue
 
     def unregister(self, key: str) -> None:

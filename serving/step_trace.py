@@ -22,7 +22,7 @@ ENV_VAR = "CONVEYOR_STEP_TRACE"
 
 class StepTrace:
     def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered, open until the process exits
         self._last_cpu_s = time.process_time()
 
     @classmethod
@@ -35,6 +35,3 @@ class StepTrace:
         record = dataclasses.asdict(stats) | {"t": time.monotonic(), "cpu_s": cpu_s - self._last_cpu_s}
         self._last_cpu_s = cpu_s
         self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
