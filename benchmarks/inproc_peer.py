@@ -41,7 +41,7 @@ def make_workload(spec: str, num_requests: int, seed: int) -> list:
 
 
 def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, seed: int,
-           workload: str = "long-tail", dtype: str = "float32") -> dict:
+           workload: str = "long-tail", dtype: str = "float32", kv_cache_dtype: str = "auto") -> dict:
     """Runs inside the measured process: only the system under test and workload.py are imported."""
     items = make_workload(workload, num_requests, seed)
     prompts = [i.prompt_token_ids for i in items]
@@ -57,7 +57,7 @@ def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, se
     else:
         from conveyor.serving import LLM, SamplingParams
 
-        llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype)
+        llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         params = [SamplingParams(max_tokens=i.max_tokens, temperature=0.0, ignore_eos=True) for i in items]
 
         def run(ps: list, sps: list) -> list[int]:
@@ -97,7 +97,7 @@ def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_se
     cmd = [sys.executable if system == "conveyor" else args.vllm_python, str(Path(__file__).resolve()),
            "--worker", system, "--model-dir", model_dir, "--max-num-seqs", str(max_num_seqs),
            "--num-requests", str(num_requests), "--seed", str(args.seed), "--workload", args.workload,
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
     env = os.environ.copy()
     if system == "vllm":
         sys.path.insert(0, str(ROOT))
@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--workload", default="long-tail", help="long-tail, or fixed:IN:OUT (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both systems (bfloat16: fast only where the CPU has native bf16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="Conveyor only (vLLM keeps its KV cache at --dtype)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -127,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         result = worker(args.worker, args.model_dir, int(args.max_num_seqs), int(args.num_requests), args.seed,
-                        args.workload, args.dtype)
+                        args.workload, args.dtype, args.kv_cache_dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
     sys.path.insert(0, str(ROOT))
@@ -163,7 +165,8 @@ def main() -> None:
             print(f"max batch {max_num_seqs:>3}: Conveyor / vLLM = {ratio:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"gemm_gflops": gemm / 1e9, "square_mm_gflops": square / 1e9,
-                                         "dtype": args.dtype, "workload": args.workload,
+                                         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                                         "workload": args.workload,
                                          "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=1))
 
 

@@ -72,6 +72,8 @@ def start_conveyor(args: argparse.Namespace, port: int) -> subprocess.Popen:
     argv = [str(ROOT / ".venv" / "bin" / "conveyor"), "serve", "--port", str(port), *args.conveyor_arg]
     if args.dtype != "float32":  # float32 is what `conveyor serve` runs on CPU by default
         argv += ["--dtype", args.dtype]
+    if args.kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     return start_server("conveyor", argv, env)
 
 
@@ -166,7 +168,8 @@ def run_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
     from conveyor.serving import LLM, SamplingParams
 
     rows = json.loads(Path(prompts_file).read_text())
-    llm = LLM(model=args.model, dtype=args.dtype)  # `conveyor serve` defaults: max_num_seqs 64, 512-token budget
+    # `conveyor serve` defaults: max_num_seqs 64, 512-token budget
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     params = [SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True) for r in rows]
     llm.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up, as the servers got one
     before = snapshot(client_pids={os.getpid()})
@@ -190,7 +193,7 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
 
     rows = json.loads(Path(prompts_file).read_text())
     engine = make_engine(args.model, max_num_batched_tokens=512, max_num_seqs=64,  # `conveyor serve` defaults
-                         dtype=args.dtype)
+                         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     try:
         reqs = [BenchRequest(engine.tokenize(r["prompt"]), r["output_len"]) for r in rows]
         asyncio.run(run_inproc(engine, reqs[:1], [0.0]))  # warm-up
@@ -247,6 +250,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="every target (bfloat16: fast only where the CPU has native bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Conveyor's targets only (vLLM's server keeps its own KV cache at --dtype)")
     p.add_argument("--conveyor-arg", action="append", default=[], help="extra flag for `conveyor serve`")
     p.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for `conveyor serve`")
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))

@@ -74,9 +74,16 @@ def make_plan(cfg: SoakConfig, rng: random.Random) -> Plan:
     elif stream and roll < cfg.p_abort + cfg.p_disconnect:
         action = "disconnect"
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, cfg.max_prompt_words)))
-    return Plan(stream=stream, chat=rng.random() < cfg.p_chat, prompt=prompt,
-                max_tokens=rng.randint(1, cfg.max_tokens), action=action,
-                cut_after_chunks=rng.randint(1, 8), abort_after_s=rng.uniform(0.0, 0.5))
+    max_tokens = rng.randint(1, cfg.max_tokens)
+    cut_after_chunks = rng.randint(1, 8)
+    if action == "disconnect":
+        # A stream's chunk count depends on timing: records that waited are coalesced, so a short answer can
+        # finish in fewer chunks than planned and the cut never happens. The first token always comes alone,
+        # so a cut after 1-3 chunks of an answer of at least half max_tokens (>= 8) lands mid-stream.
+        max_tokens = max(max_tokens, cfg.max_tokens // 2, 8)
+        cut_after_chunks = 1 + cut_after_chunks % 3
+    return Plan(stream=stream, chat=rng.random() < cfg.p_chat, prompt=prompt, max_tokens=max_tokens,
+                action=action, cut_after_chunks=cut_after_chunks, abort_after_s=rng.uniform(0.0, 0.5))
 
 
 def request_body(plan: Plan) -> tuple[str, dict[str, Any]]:

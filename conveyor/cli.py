@@ -7,6 +7,8 @@ import sys
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
+
     parser.add_argument("--model", default="smollm2", help="'smollm2', a local HF dir, or a .gguf file")
     parser.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -14,6 +16,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="the KV cache's dtype (auto: the model's); bfloat16 on a float32 CPU model holds "
+                             "twice the tokens in the same memory")
     parser.add_argument("--memory-fraction", type=float, default=0.25)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
@@ -33,7 +38,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
                           max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction),
+                          kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
                                   itl_slo_ms=args.itl_slo_ms),

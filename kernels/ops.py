@@ -110,6 +110,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     """cache[slot // block_size, slot % block_size] = key/value rows; slot < 0 skips the token."""
     if backend == "reference":
         return reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if backend == "cuda" and key.dtype != key_cache.dtype:  # the CUDA write copies rows, it does not convert
+        backend = _fallback_backend(key.device)
     if backend == "cuda":
         try:
             return _cuda_ext().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -152,11 +154,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         backend = _fallback_backend(query.device)
     if backend == "flash":
         flash = _flash()
-        if flash.supports(key_cache.shape[1], query.dtype):
+        if flash.supports(key_cache.shape[1], query.dtype) and key_cache.dtype == query.dtype:
             return flash.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, max_query_len=max_query_len,
                                          max_seq_len=max_seq_len)
-        _warn_once(f"flash: block size {key_cache.shape[1]} / {query.dtype} unsupported; using triton")
+        _warn_once(f"flash: block size {key_cache.shape[1]} / {query.dtype} query / {key_cache.dtype} cache "
+                   "unsupported; using triton")
         backend = _fallback_backend(query.device)
     if backend == "triton":
         return _triton().paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
@@ -210,7 +213,7 @@ def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """The CUDA decode kernel's answer, or None when this step is not one it handles."""
     decode_only = max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
     cuda_ext = _cuda_ext()
-    if not decode_only or not cuda_ext.supports(query.dtype, query.shape[2]):
+    if not decode_only or not cuda_ext.supports(query.dtype, query.shape[2]) or key_cache.dtype != query.dtype:
         return None
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None

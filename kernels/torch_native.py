@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, KVH, D] into the caches at slot_mapping [T]; slot < 0 is a padding token."""
+    """Scatter key/value [T, KVH, D] into the caches at slot_mapping [T]; slot < 0 is a padding token. Rows
+    convert to the cache's dtype where it differs (a bf16 cache for an fp32 model)."""
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if slot_mapping.numel() and int(slot_mapping.min()) >= 0:
         # No padding (the usual case): index_copy_ is ~5x cheaper than boolean-mask indexing on CPU.
         key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
@@ -87,8 +89,9 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     block_size = key_cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     table = table[:num_blocks].long()
-    k = key_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)  # [KVH, S, D]
-    v = value_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)
+    # SDPA wants one dtype: a cache narrower than the model is widened to the query's.
+    k = key_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)  # [KVH, S, D]
+    v = value_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
     mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
     # enable_gqa lets SDPA share each KV head across its query group instead of materializing the repeats:

@@ -49,6 +49,8 @@ class ServeArgs(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
+    # the KV cache's dtype (vLLM's kv_cache_dtype): auto is the model's; bfloat16 on a float32 CPU model halves it
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     memory_fraction: float = Field(0.25, gt=0, le=1)  # CPU: of MemAvailable
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
@@ -105,7 +107,8 @@ class ServeArgs(BaseModel):
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
                               kv_cache_bytes=self.kv_cache_bytes, memory_fraction=self.memory_fraction,
                               gpu_memory_utilization=self.gpu_memory_utilization,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, scheduling=self.scheduling,
                                       max_waiting_requests=self.max_waiting_requests,

@@ -42,6 +42,25 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
+# Attention backends whose kernels need the KV cache in the query's dtype (the others convert on write and read).
+SAME_DTYPE_KV_BACKENDS = ("cuda", "flash")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype -> the cache's torch dtype ("auto": the model's); ValueError where the resolved
+    attention backend cannot hold the cache in a dtype other than the model's."""
+    kv_dtype = model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    if kv_dtype != model_dtype and attention_backend in SAME_DTYPE_KV_BACKENDS:
+        raise ValueError(f"kv_cache_dtype {_dtype_name(kv_dtype)} with a {_dtype_name(model_dtype)} model needs "
+                         f"the cpu, torch or triton attention backend, not {attention_backend!r} "
+                         "(set attention_backend, or kv_cache_dtype auto)")
+    return kv_dtype
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -50,6 +69,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         self.attention_backend = ops.resolve_backend(config.attention_backend, self.device)
+        # Before the weights load: a backend that cannot hold this cache fails fast.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.attention_backend)
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model.model, self.dtype, self.device, self.attention_backend)
         hf = self.hf_config
@@ -62,12 +83,13 @@ class LLMEngine:
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         block_size = config.cache.block_size
-        per_block = block_bytes(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim, self.dtype)
+        per_block = block_bytes(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim,
+                                self.kv_cache_dtype)
         sched_cfg = config.scheduler
         num_blocks = num_kv_blocks(config.cache, per_block, self.device, profile_step=functools.partial(
             profile_step, self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim, block_size,
             self.device, self.dtype, num_tokens=sched_cfg.max_num_batched_tokens, num_seqs=sched_cfg.max_num_seqs,
-            max_model_len=self.max_model_len))
+            max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache_dtype))
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         scheduler_cls = StaticScheduler if config.scheduler.scheduling == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler, self.kv_cache, self.max_model_len)
@@ -76,14 +98,15 @@ class LLMEngine:
                                   attention_backend=self.attention_backend, max_model_len=self.max_model_len,
                                   # a decode batch never exceeds the token budget: no graph above it
                                   max_num_seqs=min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
-                                  cuda_graphs="capture" if config.enable_cuda_graphs else "off")
+                                  cuda_graphs="capture" if config.enable_cuda_graphs else "off",
+                                  kv_cache_dtype=self.kv_cache_dtype)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
         self.step_trace = StepTrace.from_env()
-        logger.info("engine ready: model=%s device=%s dtype=%s backend=%s kv_blocks=%d (%d tokens)",
-                    config.model.model, self.device, self.dtype, self.attention_backend, num_blocks,
-                    num_blocks * block_size)
+        logger.info("engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s backend=%s kv_blocks=%d "
+                    "(%d tokens)", config.model.model, self.device, self.dtype, self.kv_cache_dtype,
+                    self.attention_backend, num_blocks, num_blocks * block_size)
 
     def _attach_gguf_weights(self, max_rows: int) -> int:
         if max_rows == 0:

@@ -59,13 +59,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype, *,
                  attention_backend: str = "torch", max_model_len: int | None = None, max_num_seqs: int = 64,
-                 cuda_graphs: str = "off") -> None:
+                 cuda_graphs: str = "off", kv_cache_dtype: torch.dtype | None = None) -> None:
+        """dtype: the model's; kv_cache_dtype: the KV cache's (None: dtype). The attention backend converts each
+        written row to the cache's dtype and reads it back in the query's."""
         if cuda_graphs not in ("off", "capture", "static"):
             raise ValueError(f"cuda_graphs must be 'off', 'capture' or 'static', got {cuda_graphs!r}")
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         if cuda_graphs == "capture":
             reason = graph_unsafe_reason(device, attention_backend)
             if reason is None and max_model_len is None:
@@ -79,7 +82,7 @@ class ModelRunner:
         # manager only knows blocks [0, num_blocks), so no request ever owns it.
         total_blocks = num_blocks + (cuda_graphs != "off")
         shape = (total_blocks, block_size, num_kv_heads, head_dim)
-        kv = zeroed_tensor((num_layers, 2, *shape), dtype, device)
+        kv = zeroed_tensor((num_layers, 2, *shape), self.kv_cache_dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
         self.sampler = Sampler()
         # A row never needs more blocks than the context holds, nor than the cache has.
@@ -168,15 +171,17 @@ class ModelRunner:
 @torch.inference_mode()
 def profile_step(model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *, num_tokens: int, num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_cache_dtype: torch.dtype | None = None) -> None:
     """One max-size step (num_tokens tokens over num_seqs sequences, logits and top-p sampling for each) on a
     throwaway cache just big enough, so the caller can measure peak activation memory before sizing the KV cache.
-    Sequence 0 carries the bulk as prefill chunks of at most max_model_len; the others are 1-token prompts."""
+    Sequence 0 carries the bulk as prefill chunks of at most max_model_len; the others are 1-token prompts.
+    The throwaway cache has the real one's dtype, kv_cache_dtype (None: dtype, the model's)."""
     num_seqs = max(1, min(num_seqs, num_tokens))
     bulk = num_tokens - (num_seqs - 1)
     lens = [min(max_model_len, bulk - s) for s in range(0, bulk, max_model_len)] + [1] * (num_seqs - 1)
     blocks = [-(-n // block_size) for n in lens]
-    kv = torch.zeros((num_layers, 2, sum(blocks), block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    kv = torch.zeros((num_layers, 2, sum(blocks), block_size, num_kv_heads, head_dim),
+                     dtype=dtype if kv_cache_dtype is None else kv_cache_dtype, device=device)
     kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
     tables = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
     first = 0

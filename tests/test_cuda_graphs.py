@@ -141,6 +141,13 @@ def test_profile_step_runs_on_cpu(tiny_llm) -> None:
                      num_tokens=num_tokens, num_seqs=num_seqs, max_model_len=max_len)
 
 
+def test_profile_step_with_a_bfloat16_kv_cache_on_cpu(tiny_llm) -> None:
+    e = tiny_llm.engine
+    hf = e.hf_config
+    profile_step(e.model, hf.num_hidden_layers, hf.num_key_value_heads, 16, 4, e.device, e.dtype,
+                 num_tokens=40, num_seqs=6, max_model_len=512, kv_cache_dtype=torch.bfloat16)
+
+
 def test_capture_is_ignored_on_cpu(tiny_llm, caplog) -> None:
     e = tiny_llm.engine
     assert e.runner.decode_graphs is None and e.runner.kv_caches[0][0].shape[0] == 64

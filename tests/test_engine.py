@@ -179,3 +179,103 @@ def test_bfloat16_engine_on_cpu(tiny_model_dir):
     results = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
     assert [len(r.token_ids) for r in results] == [9] * len(PROMPTS)
     assert engine.kv_cache.num_free_blocks == 256
+
+
+def test_kv_cache_dtype_config_is_validated():
+    assert CacheConfig().kv_cache_dtype == "auto"
+    for ok in ("auto", "float32", "bfloat16", "float16"):
+        assert CacheConfig(kv_cache_dtype=ok).kv_cache_dtype == ok
+    for bad in ("bf16", "fp8", "int8", "torch.bfloat16", ""):
+        with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
+            CacheConfig(kv_cache_dtype=bad)
+
+
+def test_kv_cache_dtype_resolution_and_backends():
+    from conveyor.serving.engine import resolve_kv_cache_dtype
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", f32, "cpu") is f32
+    assert resolve_kv_cache_dtype("auto", bf16, "flash") is bf16  # auto never differs from the model
+    assert resolve_kv_cache_dtype("bfloat16", bf16, "cuda") is bf16  # named, but the model's own: fine
+    assert resolve_kv_cache_dtype("float16", f32, "torch") is torch.float16
+    for backend in ("cpu", "torch", "triton"):
+        assert resolve_kv_cache_dtype("bfloat16", f32, backend) is bf16
+        assert resolve_kv_cache_dtype("float32", bf16, backend) is f32
+    for backend in ("cuda", "flash"):
+        with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 with a float32 model needs the cpu, torch or "
+                                             f"triton attention backend, not '{backend}'"):
+            resolve_kv_cache_dtype("bfloat16", f32, backend)
+        with pytest.raises(ValueError, match="kv_cache_dtype float32 with a bfloat16 model"):
+            resolve_kv_cache_dtype("float32", bf16, backend)
+
+
+def test_bfloat16_kv_cache_doubles_the_blocks_of_the_same_budget(tiny_model_dir):
+    """Engine construction only (no step runs): the budget buys blocks at the cache's dtype, and the runner's (and
+    the profile step's) cache tensors are in it, while the weights stay float32."""
+    from conveyor.serving.memory import block_bytes
+
+    budget = 64 * block_bytes(2, 16, 2, 16, torch.float32)  # the tiny model: 2 layers, 2 KV heads of 16
+
+    def engine(kv_cache_dtype: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_model_dir)),
+                                      cache=CacheConfig(kv_cache_bytes=budget, kv_cache_dtype=kv_cache_dtype),
+                                      attention_backend="torch"))
+
+    auto, fp32, bf16 = engine("auto"), engine("float32"), engine("bfloat16")
+    assert auto.dtype == auto.kv_cache_dtype == torch.float32
+    assert auto.kv_cache.num_blocks == fp32.kv_cache.num_blocks == 64
+    assert bf16.kv_cache.num_blocks == 128
+    assert bf16.dtype == torch.float32 and bf16.kv_cache_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(t.dtype == torch.bfloat16 and t.shape[0] == 128 for kv in bf16.runner.kv_caches for t in kv)
+    assert all(t.dtype == torch.float32 and t.shape[0] == 64 for kv in auto.runner.kv_caches for t in kv)
+
+    def cache_bytes(e: LLMEngine) -> int:
+        return sum(t.numel() * t.element_size() for kv in e.runner.kv_caches for t in kv)
+
+    assert cache_bytes(bf16) == cache_bytes(auto) == budget
+
+
+KV_PROMPTS = PROMPTS[:4] + ["Paris is the capital", "emoji 🙂🚀 and numbers"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bfloat16_kv_cache_on_a_float32_model(tiny_model_dir, backend):
+    """A bf16 cache under fp32 weights: the cache holds the fp32 engine's K/V rounded to bf16, and greedy decoding
+    (which reads every earlier token's K/V from the cache) follows the fp32-cache engine's tokens."""
+    from conveyor.kernels import ops
+
+    if ops.resolve_backend("auto", "cpu") != "cpu" and backend == "cpu":
+        pytest.skip("the C++ CPU attention extension is unavailable here")
+    kwargs = dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=64, attention_backend=backend)
+    ref, bf16 = LLM(str(tiny_model_dir), **kwargs), LLM(str(tiny_model_dir), kv_cache_dtype="bfloat16", **kwargs)
+    assert bf16.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert ref.engine.runner.kv_caches[0][0].dtype == torch.float32
+    prompt_ids = [ref.engine.tokenize(p) for p in KV_PROMPTS]
+
+    # Prefill only: both engines write the same slots; the bf16 cache is the fp32 one rounded (layer 0 up to
+    # rounding, later layers up to what the rounding upstream moved). A cache written garbage, or not at all, fails.
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ref.generate(prompt_ids, one)
+    bf16.generate(prompt_ids, one)
+    written = sum(len(p) for p in prompt_ids)
+    for layer, ((k_ref, v_ref), (k_bf, v_bf)) in enumerate(zip(ref.engine.runner.kv_caches,
+                                                               bf16.engine.runner.kv_caches, strict=True)):
+        for got, want in ((k_bf, k_ref), (v_bf, v_ref)):
+            assert (want.flatten(0, 1).flatten(1).abs().sum(-1) > 0).sum() >= written  # every prompt token's slot
+            tol = 1e-2 if layer == 0 else 5e-2
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    want = ref.generate(prompt_ids, params)
+    got = bf16.generate(prompt_ids, params)
+    assert all(len(r.token_ids) == 16 for r in got)
+    same = sum(a == b for w, g in zip(want, got, strict=True) for a, b in zip(w.token_ids, g.token_ids, strict=True))
+    assert same >= 0.75 * 16 * len(KV_PROMPTS), (same, [r.token_ids for r in want], [r.token_ids for r in got])
+    # Where both chose the same tokens so far, the chosen token's logprob agrees closely (the decode read the cache).
+    for w, g in zip(want, got, strict=True):
+        for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids, strict=True)):
+            if a != b:
+                break
+            assert g.logprobs[i].logprob == pytest.approx(w.logprobs[i].logprob, abs=0.05, rel=0.05)
+    assert bf16.engine.kv_cache.num_free_blocks == 128

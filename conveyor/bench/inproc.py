@@ -8,13 +8,14 @@ import time
 from conveyor.bench.metrics import RequestResult
 from conveyor.bench.workload import BenchRequest
 from conveyor.serving.async_engine import AsyncEngine
-from conveyor.serving.config import EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.request import SamplingParams
 
 
 def make_engine(model: str = "smollm2", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
-                itl_slo_ms: float | None = None, min_prefill_tokens: int = 8, dtype: str = "auto") -> AsyncEngine:
-    cfg = EngineConfig(model=ModelConfig(model=model, dtype=dtype),
+                itl_slo_ms: float | None = None, min_prefill_tokens: int = 8, dtype: str = "auto",
+                kv_cache_dtype: str = "auto") -> AsyncEngine:
+    cfg = EngineConfig(model=ModelConfig(model=model, dtype=dtype), cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
                        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                                  max_num_seqs=max_num_seqs, itl_slo_ms=itl_slo_ms,
                                                  min_prefill_tokens=min_prefill_tokens))

@@ -171,7 +171,8 @@ def _raw_args(case: PagedCase) -> dict:
     (lambda a: {"query": a["query"].transpose(0, 1).contiguous().transpose(0, 1)}, "must be contiguous"),
     (lambda a: {"out": a["out"][:, :2].contiguous()}, "must match query"),
     (lambda a: {"query": a["query"].double(), "out": a["out"].double()}, "dtype must be float32"),
-    (lambda a: {"key_cache": a["key_cache"].bfloat16()}, "must have query's dtype"),
+    (lambda a: {"out": a["out"].bfloat16()}, "must have query's dtype"),
+    (lambda a: {"key_cache": a["key_cache"].bfloat16()}, "must share one dtype"),
     (lambda a: {"value_cache": a["value_cache"][:-1]}, "differ in shape"),
     (lambda a: {"key_cache": a["key_cache"][..., :16], "value_cache": a["value_cache"][..., :16]},
      "must be contiguous"),
@@ -194,8 +195,10 @@ def test_write_kv_cache_rejects_bad_inputs() -> None:
         KERNELS.write_kv_cache(key, value, kc, vc, torch.tensor([0, 1, 2, 8]))
     with pytest.raises(RuntimeError, match="int64"):
         KERNELS.write_kv_cache(key, value, kc, vc, slots.int())
-    with pytest.raises(RuntimeError, match="dtype must match"):
+    with pytest.raises(RuntimeError, match="dtype must be float32"):
         KERNELS.write_kv_cache(key.double(), value.double(), kc, vc, slots)
+    with pytest.raises(RuntimeError, match="must share one dtype"):
+        KERNELS.write_kv_cache(key, value, kc, vc.bfloat16(), slots)
 
 
 def test_backend_is_listed_and_chosen_by_auto() -> None:

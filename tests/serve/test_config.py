@@ -56,6 +56,36 @@ def test_serve_flags_override_config_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert serve_args_from(parser.parse_args(["serve"]), args.serve_parser) == {"api_key": "k"}
 
 
+def test_kv_cache_dtype_reaches_the_engine_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import typing
+
+    from conveyor.cli import engine_config_from_args
+    from conveyor.serving.config import KV_CACHE_DTYPES
+
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    assert typing.get_args(ServeArgs.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
+    assert ServeArgs().engine_config().cache.kv_cache_dtype == "auto"
+    assert ServeArgs(kv_cache_dtype="bfloat16").engine_config().cache.kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        ServeArgs(kv_cache_dtype="fp8")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--kv-cache-bytes", "1000000"])
+    merged = serve_args_from(args, args.serve_parser)
+    assert merged == {"kv_cache_dtype": "bfloat16", "kv_cache_bytes": 1000000}
+    cache = ServeArgs.model_validate(merged).engine_config().cache
+    assert (cache.kv_cache_dtype, cache.kv_cache_bytes) == ("bfloat16", 1000000)
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n  - name: conveyor\n    import_path: conveyor.router.app:build_app\n"
+                      "    args: {kv_cache_dtype: float16}\n")
+    from_file = serve_args_from(parser.parse_args(["serve", "--config", str(config)]), args.serve_parser)
+    assert ServeArgs.model_validate(from_file).engine_config().cache.kv_cache_dtype == "float16"
+    gen = parser.parse_args(["generate", "hi", "--kv-cache-dtype", "float32"])
+    assert engine_config_from_args(gen).cache.kv_cache_dtype == "float32"
+    assert engine_config_from_args(parser.parse_args(["generate", "hi"])).cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int8"])
+
+
 def test_protocol_to_sampling_params() -> None:
     req = CompletionRequest(prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=10, n=2,
                             stop="x", logprobs=2)

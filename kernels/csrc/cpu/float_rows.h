@@ -4,6 +4,8 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -25,6 +27,22 @@ inline void to_float(const T* src, float* dst, int64_t n, float scale = 1.f) {
       (hi * Vec(scale)).store(dst + i + Vec::size());
     }
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  }
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// f(Tag<T>{}) for the attention dtype t (float32, bfloat16 or float16); the kernels check t beforehand.
+template <typename F>
+inline void with_attention_dtype(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(Tag<float>{});
+    case at::kBFloat16: return f(Tag<at::BFloat16>{});
+    case at::kHalf: return f(Tag<at::Half>{});
+    default: TORCH_CHECK(false, "unsupported attention dtype ", t);
   }
 }
 

@@ -8,12 +8,17 @@
 // so a task streams whole blocks and uses every cache line it (pre)fetches; a task per (sequence, kv head)
 // would read a strided third of each row (SmolLM2) and leave the rest of each line fetch to another task. Within
 // a task, each tile of 16 positions sits in L1 while every query head of every group uses it, so each K/V row
-// is loaded from memory once for its `group` queries. Contexts are split into partitions only when there are
+// is loaded from memory once for its `group` queries, and (head dims of whole vectors) into registers once per
+// chunk of up to four of those queries. Contexts are split into partitions only when there are
 // too few sequences to keep every thread busy; partitions write unnormalized partial results that a cheap
 // serial pass merges (log-sum-exp rescaling). Parallel over tasks with at::parallel_for (torch's own pool).
 //
 // Softmax: two-pass within a task. Scores of the task's positions go to a thread-local buffer; then max,
 // exp and sum over that buffer; then the probability-weighted V sum. All math is fp32.
+//
+// Dtypes: queries/out and the cache may differ (any of float32, bfloat16, float16 each): a bf16 cache for an fp32
+// model halves the bytes a decode step reads, and rows widen to fp32 in registers as they load (load_row). The
+// cache write converts rows where the model's dtype is not the cache's.
 //
 // Vectorization: at::vec::Vectorized<float>; cpu_ext.py defines CPU_CAPABILITY to match torch's, so it is
 // AVX-512 (16 floats) or AVX2 (8) where torch uses those, and the portable fallback elsewhere. Scores of a tile
@@ -62,25 +67,56 @@ inline Vec vec_max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); 
 // K/V rows stay in L1 while every query of the group uses them.
 constexpr int64_t kTile = 16;
 
-// Lane-wise partial sums of q . row: NC > 0 is a head_dim of exactly NC vectors (unrolled, two chains so the
-// FMAs overlap); NC == 0 is any head_dim d.
-template <int NC>
-inline Vec dot_lanes(const float* q, const float* row, int64_t d) {
-  Vec a0(0.f), a1(0.f);
-  if constexpr (NC > 0) {
-    for (int c = 0; c + 1 < NC; c += 2) {
-      a0 = at::vec::fmadd(Vec::loadu(q + c * kVec), Vec::loadu(row + c * kVec), a0);
-      a1 = at::vec::fmadd(Vec::loadu(q + (c + 1) * kVec), Vec::loadu(row + (c + 1) * kVec), a1);
-    }
-    if constexpr (NC % 2 == 1) {
-      a0 = at::vec::fmadd(Vec::loadu(q + (NC - 1) * kVec), Vec::loadu(row + (NC - 1) * kVec), a0);
-    }
+// kVec cache elements at p as fp32: float rows load as they are, bf16/fp16 rows widen in registers (a bf16 is
+// the top half of a float), so a half-size cache costs a shift or a convert per vector and no scratch copy.
+template <typename TC>
+inline Vec load_row(const TC* p) {
+  if constexpr (std::is_same_v<TC, float>) {
+    return Vec::loadu(p);
   } else {
-    int64_t off = 0;
-    for (; off + kVec <= d; off += kVec) a0 = at::vec::fmadd(Vec::loadu(q + off), Vec::loadu(row + off), a0);
-    if (off < d) {  // loadu with a count zero-fills the missing lanes
-      a1 = at::vec::fmadd(Vec::loadu(q + off, d - off), Vec::loadu(row + off, d - off), a1);
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<TC, at::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm512_cvtph_ps(raw);
     }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<TC, at::BFloat16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm256_cvtph_ps(raw);
+    }
+#else
+    float tmp[kVec];
+    for (int64_t i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
+    return Vec::loadu(tmp);
+#endif
+  }
+}
+
+// The first count (< kVec) elements at p as fp32, the other lanes zero.
+template <typename TC>
+inline Vec load_row(const TC* p, int64_t count) {
+  if constexpr (std::is_same_v<TC, float>) {
+    return Vec::loadu(p, count);
+  } else {
+    float tmp[kVec] = {};
+    for (int64_t i = 0; i < count; ++i) tmp[i] = static_cast<float>(p[i]);
+    return Vec::loadu(tmp);
+  }
+}
+
+// Lane-wise partial sums of q . row for any head_dim d (the generic path; whole-vector head dims take the joint
+// tiles below).
+template <typename TC>
+inline Vec dot_lanes(const float* q, const TC* row, int64_t d) {
+  Vec a0(0.f), a1(0.f);
+  int64_t off = 0;
+  for (; off + kVec <= d; off += kVec) a0 = at::vec::fmadd(Vec::loadu(q + off), load_row(row + off), a0);
+  if (off < d) {  // the missing lanes load as zeros
+    a1 = at::vec::fmadd(Vec::loadu(q + off, d - off), load_row(row + off, d - off), a1);
   }
   return a0 + a1;
 }
@@ -107,48 +143,31 @@ inline __m512 transposed_sums(const __m512* v) {
 }
 #endif
 
-// out[t] = q . rows[t] for the count (<= kTile) rows of a tile.
-template <int NC>
-inline void score_tile(const float* q, const float* const* rows, int64_t count, int64_t d, float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 v[kTile];
-#pragma GCC unroll 16
-  for (int slot = 0; slot < kTile; ++slot) {
-    const int t = 4 * (slot % 4) + slot / 4;  // the row whose sum lands in lane t
-    v[slot] = t < count ? static_cast<__m512>(dot_lanes<NC>(q, rows[t], d)) : _mm512_setzero_ps();
-  }
-  Vec(transposed_sums(v)).store(out, count);
-#else
-  for (int64_t t = 0; t < count; ++t) out[t] = at::vec::vec_reduce_all<float>(vec_add, dot_lanes<NC>(q, rows[t], d));
-#endif
+// Generic path, one query head: out[t] = q . rows[t] for the count (<= kTile) rows of a tile.
+template <typename TC>
+inline void score_tile(const float* q, const TC* const* rows, int64_t count, int64_t d, float* out) {
+  for (int64_t t = 0; t < count; ++t) out[t] = at::vec::vec_reduce_all<float>(vec_add, dot_lanes(q, rows[t], d));
 }
 
-// acc[0, d) += sum_t p[t] * rows[t][0, d) over the count rows of a tile; the accumulators stay in registers
-// across the rows (NC > 0), one independent FMA chain per vector.
-template <int NC>
-inline void weighted_tile(float* acc, const float* p, const float* const* rows, int64_t count, int64_t d) {
-  if constexpr (NC > 0) {
-    Vec s[NC];
-    for (int c = 0; c < NC; ++c) s[c] = Vec::loadu(acc + c * kVec);
+// Generic path, one query head: acc[0, d) += sum_t p[t] * rows[t][0, d) over the count rows of a tile.
+template <typename TC>
+inline void weighted_tile(float* acc, const float* p, const TC* const* rows, int64_t count, int64_t d) {
+  for (int64_t off = 0; off < d; off += kVec) {
+    const int64_t m = std::min(kVec, d - off);
+    Vec s = Vec::loadu(acc + off, m);
     for (int64_t t = 0; t < count; ++t) {
-      const Vec w(p[t]);
-      for (int c = 0; c < NC; ++c) s[c] = at::vec::fmadd(w, Vec::loadu(rows[t] + c * kVec), s[c]);
+      s = at::vec::fmadd(Vec(p[t]), m == kVec ? load_row(rows[t] + off) : load_row(rows[t] + off, m), s);
     }
-    for (int c = 0; c < NC; ++c) s[c].store(acc + c * kVec);
-  } else {
-    for (int64_t off = 0; off < d; off += kVec) {
-      const int64_t m = std::min(kVec, d - off);
-      Vec s = Vec::loadu(acc + off, m);
-      for (int64_t t = 0; t < count; ++t) s = at::vec::fmadd(Vec(p[t]), Vec::loadu(rows[t] + off, m), s);
-      s.store(acc + off, m);
-    }
+    s.store(acc + off, m);
   }
 }
 
-// One task's fp32 inputs: queries q [heads, d] (pre-scaled); position t's row of all kv heads starts at
-// k + offset[t] (v + offset[t]), kv head h at + h * d.
+// One task's inputs: fp32 queries q [heads, d] (pre-scaled); position t's row of all kv heads starts at
+// k + offset[t] (v + offset[t]), kv head h at + h * d, in the cache's own dtype TC.
+template <typename TC>
 struct TaskView {
-  const float *q, *k, *v;
+  const float* q;
+  const TC *k, *v;
   const int64_t* offset;
   int64_t n, kv_heads, group, d;
 };
@@ -172,9 +191,10 @@ inline void prefetch_l2(const char* p) {
 }
 
 // Prefetches rows [first, last) (clamped to n) of the task: every cache line of each row's kv heads.
-inline void prefetch_rows(const float* base, const int64_t* offset, int64_t first, int64_t last, int64_t n,
+template <typename TC>
+inline void prefetch_rows(const TC* base, const int64_t* offset, int64_t first, int64_t last, int64_t n,
                           int64_t row_floats) {
-  const int64_t row_bytes = row_floats * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = row_floats * static_cast<int64_t>(sizeof(TC));
   for (int64_t t = first; t < std::min(n, last); ++t) {
     const char* row = reinterpret_cast<const char*>(base + offset[t]);
     for (int64_t byte = 0; byte < row_bytes; byte += 64) prefetch_l2(row + byte);
@@ -184,75 +204,205 @@ inline void prefetch_rows(const float* base, const int64_t* offset, int64_t firs
 // Slice `part` of the rows of the tile kPrefetchTiles ahead of t0. A tile's prefetches go out in slices, one
 // before each query head's work on the tile at t0, so that they interleave with the arithmetic instead of
 // arriving in one burst.
-inline void prefetch_ahead(const float* base, const int64_t* offset, int64_t t0, int64_t part, int64_t slice,
+template <typename TC>
+inline void prefetch_ahead(const TC* base, const int64_t* offset, int64_t t0, int64_t part, int64_t slice,
                            int64_t n, int64_t row_floats) {
   const int64_t first = t0 + kPrefetchTiles * kTile + part * slice;
   prefetch_rows(base, offset, first, first + slice, n, row_floats);
 }
 
-// acc[h] = sum_t exp(s_ht - max_h) v_t with s_ht = q_h . k_t, and max_h, sum_h = sum_t exp(s_ht - max_h), for
-// every query head h (kv head h / group).
+// Every cache line of one kv head's d elements at row.
+template <typename TC>
+inline void prefetch_head_row(const TC* row, int64_t d) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(TC)); b += 64) prefetch_l2(bytes + b);
+}
+
+// Query heads of one kv head handled together (NC > 0): their q vectors (pass 1) or accumulators (pass 3) stay in
+// registers while each K/V row is loaded once for all of them. More heads than this are taken in chunks; fewer
+// for long head dims, where the registers run out.
 template <int NC>
-void attend(const TaskView& x, float* scores, float* acc, float* maxes, float* sums) {
-  const int64_t heads = x.kv_heads * x.group, row_floats = x.kv_heads * x.d;
-  const int64_t slice = (kTile + heads - 1) / heads;
-  const float* rows[kTile];
-  // Pass 1: scores [heads, n].
-  prefetch_rows(x.k, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
-  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
-    const int64_t count = std::min(kTile, x.n - t0);
-    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
-      for (int64_t t = 0; t < count; ++t) rows[t] = x.k + x.offset[t0 + t] + kvh * x.d;
-      for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
-        prefetch_ahead(x.k, x.offset, t0, h, slice, x.n, row_floats);
-        score_tile<NC>(x.q + h * x.d, rows, count, x.d, scores + h * x.n + t0);
+constexpr int kJointHeads = NC <= 4 ? 4 : 2;
+
+// Pass 1 for G query heads and a tile of count rows: scores[g * n_stride + t] = q_g . rows[t]. The lane-wise
+// partial sums go through an L1 scratch of [G][kTile] vectors so one transposed reduction per head finishes 16
+// scores (AVX-512).
+// Each row's work also prefetches the same kv head's part of one row of the tile kPrefetchTiles ahead (ahead,
+// count_ahead of them): the requests go out one or two lines at a time between the arithmetic, not in bursts.
+template <int NC, int G, typename TC>
+inline void score_tile_joint(const float* q, int64_t d, const TC* const* rows, int64_t count, float* scores,
+                             int64_t n_stride, Vec* lanes, const TC* const* ahead, int64_t count_ahead) {
+  Vec qv[G][NC];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) qv[g][c] = Vec::loadu(q + g * d + c * kVec);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    if (t < count_ahead) prefetch_head_row(ahead[t], d);
+    Vec r[NC];
+    for (int c = 0; c < NC; ++c) r[c] = load_row(rows[t] + c * kVec);
+    const int64_t slot = 4 * (t % 4) + t / 4;  // where transposed_sums expects row t (an involution)
+    for (int g = 0; g < G; ++g) {
+      Vec a = r[0] * qv[g][0];
+      if constexpr (NC >= 2) {
+        Vec b = r[1] * qv[g][1];
+        for (int c = 2; c + 1 < NC; c += 2) {
+          a = at::vec::fmadd(r[c], qv[g][c], a);
+          b = at::vec::fmadd(r[c + 1], qv[g][c + 1], b);
+        }
+        if constexpr (NC % 2 == 1 && NC > 2) a = at::vec::fmadd(r[NC - 1], qv[g][NC - 1], a);
+        a = a + b;
       }
+      lanes[g * kTile + slot] = a;
     }
   }
-  // Pass 2: softmax numerators in place, with their max and sum per query head; V's first tiles load meanwhile.
-  prefetch_rows(x.v, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  for (int g = 0; g < G; ++g) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // Slots of rows past count hold stale sums of earlier tiles; they only reach their own (unstored) lanes.
+    __m512 v[kTile];
+    for (int i = 0; i < kTile; ++i) v[i] = lanes[g * kTile + i];
+    Vec(transposed_sums(v)).store(scores + g * n_stride, count);
+#else
+    for (int64_t t = 0; t < count; ++t) {
+      scores[g * n_stride + t] = at::vec::vec_reduce_all<float>(vec_add, lanes[g * kTile + 4 * (t % 4) + t / 4]);
+    }
+#endif
+  }
+}
+
+// Pass 3 for G query heads: acc[g * d, + d) += sum_t p[g * n_stride + t] * rows[t] over the tile's rows.
+template <int NC, int G, typename TC>
+inline void weighted_tile_joint(float* acc, int64_t d, const float* p, int64_t n_stride, const TC* const* rows,
+                                int64_t count, const TC* const* ahead, int64_t count_ahead) {
+  Vec s[G][NC];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) s[g][c] = Vec::loadu(acc + g * d + c * kVec);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    if (t < count_ahead) prefetch_head_row(ahead[t], d);
+    Vec r[NC];
+    for (int c = 0; c < NC; ++c) r[c] = load_row(rows[t] + c * kVec);
+    for (int g = 0; g < G; ++g) {
+      const Vec w(p[g * n_stride + t]);
+      for (int c = 0; c < NC; ++c) s[g][c] = at::vec::fmadd(w, r[c], s[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) s[g][c].store(acc + g * d + c * kVec);
+  }
+}
+
+// Runtime head count (1..kJointHeads<NC>) to the template that keeps that many heads in registers.
+template <int NC, typename F>
+inline void with_joint_heads(int64_t heads, F&& f) {
+  switch (heads) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: if constexpr (kJointHeads<NC> >= 3) return f(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (kJointHeads<NC> >= 4) return f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Softmax numerators in place over each query head's scores row, with their max and sum.
+inline void softmax_rows(float* scores, int64_t heads, int64_t n, float* maxes, float* sums) {
   for (int64_t h = 0; h < heads; ++h) {
-    float* row = scores + h * x.n;
-    const float m = at::vec::reduce_all<float>(vec_max, row, x.n);
+    float* row = scores + h * n;
+    const float m = at::vec::reduce_all<float>(vec_max, row, n);
     Vec total(0.f);
     int64_t t = 0;
-    for (; t + kVec <= x.n; t += kVec) {
+    for (; t + kVec <= n; t += kVec) {
       const Vec e = (Vec::loadu(row + t) - Vec(m)).exp_u20();
       e.store(row + t);
       total = total + e;
     }
     float sum = at::vec::vec_reduce_all<float>(vec_add, total);
-    for (; t < x.n; ++t) {
+    for (; t < n; ++t) {
       row[t] = std::exp(row[t] - m);
       sum += row[t];
     }
     maxes[h] = m;
     sums[h] = sum;
   }
+}
+
+// acc[h] = sum_t exp(s_ht - max_h) v_t with s_ht = q_h . k_t, and max_h, sum_h = sum_t exp(s_ht - max_h), for
+// every query head h (kv head h / group). Head dims of whole vectors (NC > 0): the group's heads go through
+// each tile together, so a K/V row is loaded (and, from a bf16/fp16 cache, widened) once per chunk of up to
+// kJointHeads heads instead of once per head.
+template <int NC, typename TC>
+void attend(const TaskView<TC>& x, float* scores, float* acc, float* maxes, float* sums) {
+  const int64_t heads = x.kv_heads * x.group, row_floats = x.kv_heads * x.d;
+  constexpr int64_t joint = NC > 0 ? kJointHeads<NC> : 1;
+  const int64_t slice = (kTile + heads - 1) / heads;  // the generic path's prefetch: a slice per query head
+  const TC* rows[kTile];
+  const TC* ahead[kTile];
+  alignas(64) Vec lanes[joint * kTile];
+  // The rows of the tile kPrefetchTiles ahead of t0 for kv head kvh: how many there are, into ahead.
+  auto rows_ahead = [&](const TC* base, int64_t t0, int64_t kvh) {
+    const int64_t first = t0 + kPrefetchTiles * kTile;
+    const int64_t count = std::clamp<int64_t>(x.n - first, 0, kTile);
+    for (int64_t t = 0; t < count; ++t) ahead[t] = base + x.offset[first + t] + kvh * x.d;
+    return count;
+  };
+  // Pass 1: scores [heads, n].
+  prefetch_rows(x.k, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
+    const int64_t count = std::min(kTile, x.n - t0);
+    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < count; ++t) rows[t] = x.k + x.offset[t0 + t] + kvh * x.d;
+      if constexpr (NC > 0) {
+        int64_t count_ahead = rows_ahead(x.k, t0, kvh);
+        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; h += joint, count_ahead = 0) {
+          with_joint_heads<NC>(std::min(joint, (kvh + 1) * x.group - h), [&](auto g) {
+            score_tile_joint<NC, decltype(g)::value, TC>(x.q + h * x.d, x.d, rows, count, scores + h * x.n + t0,
+                                                         x.n, lanes, ahead, count_ahead);
+          });
+        }
+      } else {
+        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
+          prefetch_ahead(x.k, x.offset, t0, h, slice, x.n, row_floats);
+          score_tile(x.q + h * x.d, rows, count, x.d, scores + h * x.n + t0);
+        }
+      }
+    }
+  }
+  // Pass 2: softmax numerators; V's first tiles load meanwhile.
+  prefetch_rows(x.v, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  softmax_rows(scores, heads, x.n, maxes, sums);
   // Pass 3: probability-weighted V rows.
   std::fill(acc, acc + heads * x.d, 0.f);
   for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
     const int64_t count = std::min(kTile, x.n - t0);
     for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
       for (int64_t t = 0; t < count; ++t) rows[t] = x.v + x.offset[t0 + t] + kvh * x.d;
-      for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
-        prefetch_ahead(x.v, x.offset, t0, h, slice, x.n, row_floats);
-        weighted_tile<NC>(acc + h * x.d, scores + h * x.n + t0, rows, count, x.d);
+      if constexpr (NC > 0) {
+        int64_t count_ahead = rows_ahead(x.v, t0, kvh);
+        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; h += joint, count_ahead = 0) {
+          with_joint_heads<NC>(std::min(joint, (kvh + 1) * x.group - h), [&](auto g) {
+            weighted_tile_joint<NC, decltype(g)::value, TC>(acc + h * x.d, x.d, scores + h * x.n + t0, x.n, rows,
+                                                            count, ahead, count_ahead);
+          });
+        }
+      } else {
+        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
+          prefetch_ahead(x.v, x.offset, t0, h, slice, x.n, row_floats);
+          weighted_tile(acc + h * x.d, scores + h * x.n + t0, rows, count, x.d);
+        }
       }
     }
   }
 }
 
-void attend_any(const TaskView& x, float* scores, float* acc, float* maxes, float* sums) {
+template <typename TC>
+void attend_any(const TaskView<TC>& x, float* scores, float* acc, float* maxes, float* sums) {
   // Unrolled variants for head dims of whole vectors (32/64/128 with AVX-512, 32/64 with AVX2), else generic.
   switch (x.d % kVec == 0 ? x.d / kVec : 0) {
-    case 1: return attend<1>(x, scores, acc, maxes, sums);
-    case 2: return attend<2>(x, scores, acc, maxes, sums);
-    case 3: return attend<3>(x, scores, acc, maxes, sums);
-    case 4: return attend<4>(x, scores, acc, maxes, sums);
-    case 6: return attend<6>(x, scores, acc, maxes, sums);
-    case 8: return attend<8>(x, scores, acc, maxes, sums);
-    default: return attend<0>(x, scores, acc, maxes, sums);
+    case 1: return attend<1, TC>(x, scores, acc, maxes, sums);
+    case 2: return attend<2, TC>(x, scores, acc, maxes, sums);
+    case 3: return attend<3, TC>(x, scores, acc, maxes, sums);
+    case 4: return attend<4, TC>(x, scores, acc, maxes, sums);
+    case 6: return attend<6, TC>(x, scores, acc, maxes, sums);
+    case 8: return attend<8, TC>(x, scores, acc, maxes, sums);
+    default: return attend<0, TC>(x, scores, acc, maxes, sums);
   }
 }
 
@@ -260,30 +410,25 @@ using conveyor_cpu::to_float;
 
 // Per-thread scratch, grown on demand and reused across tasks and calls (the pool's threads persist).
 struct Scratch {
-  std::vector<float> q, scores, acc, maxes, sums, k, v;
+  std::vector<float> q, scores, acc, maxes, sums;
   std::vector<int64_t> offset;
-  void fit(const Geometry& g, int64_t n, bool convert) {
+  void fit(const Geometry& g, int64_t n) {
     q.resize(g.heads * g.head_dim);
     acc.resize(g.heads * g.head_dim);
     maxes.resize(g.heads);
     sums.resize(g.heads);
     if (static_cast<int64_t>(scores.size()) < g.heads * n) scores.resize(g.heads * n);
     if (static_cast<int64_t>(offset.size()) < n) offset.resize(n);
-    if (convert && static_cast<int64_t>(k.size()) < n * g.row_stride()) {
-      k.resize(n * g.row_stride());
-      v.resize(n * g.row_stride());
-    }
   }
 };
 
-// Computes one task into s.acc (unnormalized), s.maxes and s.sums. float caches are read in place; bf16/fp16
-// rows are converted once into scratch (each row is then read by every query of its group as fp32).
-template <typename T>
-void run_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* tables,
+// Computes one task into s.acc (unnormalized), s.maxes and s.sums. The queries (TQ) convert to fp32 once; the
+// cache (TC) is read in place, each row widened in registers (load_row).
+template <typename TQ, typename TC>
+void run_task(const Task& task, const TQ* query, const TC* key_cache, const TC* value_cache, const int32_t* tables,
               float scale, const Geometry& g, Scratch& s) {
-  constexpr bool convert = !std::is_same_v<T, float>;
   const int64_t n = task.end - task.begin;
-  s.fit(g, n, convert);
+  s.fit(g, n);
   // Folding the scale into q spares a multiply per score.
   to_float(query + task.seq * g.heads * g.head_dim, s.q.data(), g.heads * g.head_dim, scale);
   // Element offset of each position's row; only the table entries of blocks the task covers are read.
@@ -295,19 +440,7 @@ void run_task(const Task& task, const T* query, const T* key_cache, const T* val
     int64_t at = table[block] * block_stride + (pos - block * block_size) * row_stride;
     for (; pos < end; ++pos, at += row_stride) offset[pos - task.begin] = at;
   }
-  TaskView view{s.q.data(), nullptr, nullptr, offset, n, g.kv_heads, g.group, g.head_dim};
-  if constexpr (convert) {
-    for (int64_t t = 0; t < n; ++t) {
-      to_float(key_cache + offset[t], s.k.data() + t * row_stride, row_stride);
-      to_float(value_cache + offset[t], s.v.data() + t * row_stride, row_stride);
-      offset[t] = t * row_stride;
-    }
-    view.k = s.k.data();
-    view.v = s.v.data();
-  } else {
-    view.k = key_cache;
-    view.v = value_cache;
-  }
+  const TaskView<TC> view{s.q.data(), key_cache, value_cache, offset, n, g.kv_heads, g.group, g.head_dim};
   attend_any(view, s.scores.data(), s.acc.data(), s.maxes.data(), s.sums.data());
 }
 
@@ -338,7 +471,7 @@ std::vector<Task> plan(const std::vector<int64_t>& lens, const Geometry& g, int6
   return tasks;
 }
 
-template <typename T>
+template <typename T, typename TC>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                        const std::vector<int64_t>& lens, float scale, const Geometry& g) {
@@ -350,8 +483,8 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tenso
   std::vector<float> part_acc(num_partials * hd);
   T* out_ptr = out.data_ptr<T>();
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
+  const TC* k_ptr = key_cache.data_ptr<TC>();
+  const TC* v_ptr = value_cache.data_ptr<TC>();
   const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
@@ -445,10 +578,11 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache ", key_cache.sizes(),
               " and value_cache ", value_cache.sizes(), " differ in shape");
-  for (const at::ScalarType t : {out.scalar_type(), key_cache.scalar_type(), value_cache.scalar_type()}) {
-    TORCH_CHECK(t == query.scalar_type(), "out and caches must have query's dtype ", query.scalar_type(),
-                ", got ", t);
-  }
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have query's dtype ", query.scalar_type(),
+              ", got ", out.scalar_type());
+  TORCH_CHECK(is_attention_dtype(key_cache.scalar_type()) && value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16, got ",
+              key_cache.scalar_type(), " and ", value_cache.scalar_type());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be a contiguous int32 [batch, max_blocks] tensor");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
@@ -473,18 +607,35 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
   g.group = g.heads / g.kv_heads;
   if (g.batch == 0) return;
   const std::vector<int64_t> lens = checked_lens(block_tables, seq_lens, g);
-  // An explicit switch rather than AT_DISPATCH_FLOATING_TYPES_AND2: float64 would need a float64 accumulator to
-  // honour its precision, and nothing serves in it.
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      return paged_decode_impl<float>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
-    case at::kBFloat16:
-      return paged_decode_impl<at::BFloat16>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
-    case at::kHalf:
-      return paged_decode_impl<at::Half>(out, query, key_cache, value_cache, block_tables, lens, scale, g);
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
-  }
+  // The cache may be narrower than the queries (a bf16 cache for an fp32 model): any pair of the three dtypes.
+  conveyor_cpu::with_attention_dtype(query.scalar_type(), [&](auto q_tag) {
+    conveyor_cpu::with_attention_dtype(key_cache.scalar_type(), [&](auto c_tag) {
+      paged_decode_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
+          out, query, key_cache, value_cache, block_tables, lens, scale, g);
+    });
+  });
+}
+
+// write_kv_cache's rows from TS into a TC cache, element by element (c10's conversions round to nearest even).
+template <typename TS, typename TC>
+void write_converted(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                     const int64_t* slot_ptr, int64_t tokens, int64_t row) {
+  const TS* k_src = key.data_ptr<TS>();
+  const TS* v_src = value.data_ptr<TS>();
+  TC* k_dst = key_cache.data_ptr<TC>();
+  TC* v_dst = value_cache.data_ptr<TC>();
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot_ptr[t] < 0) continue;
+      TC* k_row = k_dst + slot_ptr[t] * row;
+      TC* v_row = v_dst + slot_ptr[t] * row;
+      for (int64_t i = 0; i < row; ++i) {
+        k_row[i] = static_cast<TC>(static_cast<float>(k_src[t * k_stride + i]));
+        v_row[i] = static_cast<TC>(static_cast<float>(v_src[t * v_stride + i]));
+      }
+    }
+  });
 }
 
 // cache[slot // block_size, slot % block_size] = key/value rows; slot < 0 skips the token. Rows of key/value may
@@ -505,13 +656,25 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
                 "matching the cache, got ", t->sizes());
     TORCH_CHECK(t->stride(2) == 1 && (t->stride(1) == key_cache.size(3) || t->size(1) == 1),
                 "each token's [num_kv_heads, head_dim] of key/value must be contiguous");
-    TORCH_CHECK(t->scalar_type() == key_cache.scalar_type(), "key/value dtype must match the cache's");
+    TORCH_CHECK(is_attention_dtype(t->scalar_type()), "key/value dtype must be float32, bfloat16 or float16, got ",
+                t->scalar_type());
   }
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
+  TORCH_CHECK(is_attention_dtype(key_cache.scalar_type()) && value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16");
   const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot_ptr[t] < slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is past the cache (", slots,
                 " slots)");
+  }
+  if (key.scalar_type() != key_cache.scalar_type()) {
+    // A cache narrower (or wider) than the model: each row converts on the way in (round to nearest even).
+    return conveyor_cpu::with_attention_dtype(key.scalar_type(), [&](auto src_tag) {
+      conveyor_cpu::with_attention_dtype(key_cache.scalar_type(), [&](auto dst_tag) {
+        write_converted<typename decltype(src_tag)::type, typename decltype(dst_tag)::type>(
+            key, value, key_cache, value_cache, slot_ptr, tokens, row);
+      });
+    });
   }
   const int64_t bytes = row * key_cache.element_size();
   const auto* k_src = static_cast<const char*>(key.data_ptr());

@@ -160,8 +160,8 @@ inline void softmax_row(float* s, int64_t valid, int64_t n, float& max_so_far, f
   max_so_far = m;
 }
 
-template <typename T>
-void run_task(const Task& task, const Chunk& c, const T* query, const T* key_cache, const T* value_cache,
+template <typename T, typename TC>
+void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_cache, const TC* value_cache,
               const int32_t* tables, T* out, float scale, const Geometry& g, Scratch& sc) {
   const int64_t d = g.head_dim;
   const int64_t count = task.count;
@@ -189,7 +189,7 @@ void run_task(const Task& task, const Chunk& c, const T* query, const T* key_cac
       const int64_t p = j0 + j;
       const int64_t row = (static_cast<int64_t>(table[p / g.block_size]) * g.block_size + p % g.block_size) *
                               g.row_stride() + task.kv_head * d;
-      const T* krow = key_cache + row;
+      const TC* krow = key_cache + row;
       for (int64_t k = 0; k < d; ++k) sc.kt[k * kKeys + j] = static_cast<float>(krow[k]);
       to_float(value_cache + row, sc.v.data() + j * d, d);
     }
@@ -216,7 +216,7 @@ void run_task(const Task& task, const Chunk& c, const T* query, const T* key_cac
   }
 }
 
-template <typename T>
+template <typename T, typename TC>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables, const std::vector<Chunk>& chunks,
                   double scale, const Geometry& g) {
@@ -238,8 +238,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const auto* q = query.data_ptr<T>();
-  const auto* kc = key_cache.data_ptr<T>();
-  const auto* vc = value_cache.data_ptr<T>();
+  const auto* kc = key_cache.data_ptr<TC>();
+  const auto* vc = value_cache.data_ptr<TC>();
   const auto* tables = block_tables.data_ptr<int32_t>();
   auto* o = out.data_ptr<T>();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
@@ -250,7 +250,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     sc.fit(per_task * g.group, g.head_dim);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = next.fetch_add(1); k < num_tasks; k = next.fetch_add(1)) {
-        run_task<T>(tasks[k], chunks[tasks[k].chunk], q, kc, vc, tables, o, static_cast<float>(scale), g, sc);
+        run_task<T, TC>(tasks[k], chunks[tasks[k].chunk], q, kc, vc, tables, o, static_cast<float>(scale), g, sc);
       }
     }
   });
@@ -268,9 +268,10 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
   const at::ScalarType t = query.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
               "dtype must be float32, bfloat16 or float16, got ", t);
-  for (const at::Tensor* x : {static_cast<const at::Tensor*>(&out), &key_cache, &value_cache}) {
-    TORCH_CHECK(x->scalar_type() == t, "out and caches must have query's dtype ", t);
-  }
+  TORCH_CHECK(out.scalar_type() == t, "out must have query's dtype ", t);
+  const at::ScalarType tc = key_cache.scalar_type();
+  TORCH_CHECK((tc == at::kFloat || tc == at::kBFloat16 || tc == at::kHalf) && value_cache.scalar_type() == tc,
+              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16");
   for (const at::Tensor* x : {&block_tables, &seq_lens, &query_starts, &query_lens}) {
     TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kInt && x->is_contiguous(),
                 "block_tables, seq_lens, query_starts and query_lens must be contiguous int32 CPU tensors");
@@ -302,14 +303,13 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
     chunks.push_back({starts[i], qlens[i], lens[i], i});
   }
   if (chunks.empty()) return;
-  switch (t) {
-    case at::kFloat:
-      return prefill_impl<float>(out, query, key_cache, value_cache, block_tables, chunks, scale, g);
-    case at::kBFloat16:
-      return prefill_impl<at::BFloat16>(out, query, key_cache, value_cache, block_tables, chunks, scale, g);
-    default:
-      return prefill_impl<at::Half>(out, query, key_cache, value_cache, block_tables, chunks, scale, g);
-  }
+  // The cache may be narrower than the queries (a bf16 cache for an fp32 model); tiles are packed as fp32 anyway.
+  conveyor_cpu::with_attention_dtype(t, [&](auto q_tag) {
+    conveyor_cpu::with_attention_dtype(tc, [&](auto c_tag) {
+      prefill_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
+          out, query, key_cache, value_cache, block_tables, chunks, scale, g);
+    });
+  });
 }
 
 }  // namespace
