@@ -78,3 +78,24 @@ def test_write_kv_cache(backend: str, dtype: torch.dtype) -> None:
 
 def test_auto_picks_gpu_backend() -> None:
     assert ops.resolve_backend("auto", "cuda") in ("flash", "cuda", "triton")
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("specs", [MIXED_SPECS, DECODE_LONG], ids=["mixed", "decode"])
+def test_backend_reads_a_bf16_cache_under_fp32_queries(backend: str, specs: list[tuple[int, int]]) -> None:
+    """kv_cache_dtype bfloat16 on a float32 model: cuda and flash hand such steps to triton (ops.py); every backend
+    must equal the reference on the values the cache holds, at float32's tolerance."""
+    seed = torch.randint(0, 1 << 30, ()).item()
+    case = make_case(specs, 32, 8, head_dim=128, block_size=16, device="cuda", seed=seed)
+    case.key_cache, case.value_cache = case.key_cache.bfloat16(), case.value_cache.bfloat16()
+    ref = reference.paged_attention(*case.to(torch.float64).args())
+    out = _run(backend, case)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < TOL[torch.float32], f"seed {seed}"
+    key, value, kc, vc, slots = make_kv_write(9, 8, 128, 16, num_blocks=4, device="cuda")
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    ops.write_kv_cache(key, value, kc, vc, slots, backend=backend)
+    written = slots >= 0
+    flat = kc.view(-1, 8, 128)
+    torch.testing.assert_close(flat[slots[written]].float(), key[written].bfloat16().float(), rtol=2 ** -7, atol=0)
