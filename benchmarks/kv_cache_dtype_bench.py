@@ -1,11 +1,11 @@
 """Decode attention from DRAM with a float32 and a bfloat16 KV cache (float32 queries), the CPU kernel.
 
 One decode step's attention over every layer of SmolLM2-135M (30 layers, 9 query heads : 3 KV heads, head_dim
-64, block 16), each layer with its own cache so nothing stays in the L3 as it would if one layer were timed in a
+64, block 16 or --block-size), each layer with its own cache so nothing stays in the L3 as it would if one layer were timed in a
 loop; blocks in a random order, as a long-running engine's are. Prints the median milliseconds per step, the K/V
 bytes read and the rate, for each cache dtype, interleaved in one run.
 
-    .venv/bin/python benchmarks/kv_cache_dtype_bench.py [--batches 1 16 64] [--context 300] [--threads 2]
+    .venv/bin/python benchmarks/kv_cache_dtype_bench.py [--batches 1 16 64] [--context 300] [--threads 2] [--block-size 16]
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ import torch
 
 from conveyor.kernels import cpu_ext
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
-def bench(batch: int, context: int, reps: int) -> dict[str, float]:
-    blocks_per_seq = -(-context // BLOCK)
+def bench(batch: int, context: int, reps: int, block: int = 16) -> dict[str, float]:
+    blocks_per_seq = -(-context // block)
     num_blocks = batch * blocks_per_seq + 8
     tables = torch.randperm(num_blocks)[: batch * blocks_per_seq].reshape(batch, blocks_per_seq).to(torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
     fp32 = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
     caches = {"float32": fp32, "bfloat16": [(k.bfloat16(), v.bfloat16()) for k, v in fp32]}
     query = torch.randn(batch, HEADS, HEAD_DIM)
@@ -52,18 +52,20 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's default: 16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_ext.load()
     for batch in args.batches:
-        result = bench(batch, args.context, args.reps)
+        result = bench(batch, args.context, args.reps, args.block_size)
         cells = []
         for name, seconds in result.items():
             nbytes = LAYERS * 2 * batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=getattr(
                 torch, name)).element_size()
             cells.append(f"{name} {seconds * 1e3:7.2f} ms ({nbytes / 1e6:5.0f} MB, {nbytes / seconds / 1e9:5.1f} GB/s)")
         speedup = result["float32"] / result["bfloat16"]
-        print(f"batch {batch:3d} x context {args.context}: " + "  ".join(cells) + f"  bf16 cache {speedup:.2f}x")
+        head = f"batch {batch:3d} x context {args.context}, block {args.block_size}: "
+        print(head + "  ".join(cells) + f"  bf16 cache {speedup:.2f}x")
 
 
 if __name__ == "__main__":
