@@ -1,11 +1,12 @@
 """Decode attention from DRAM with a float32 and a bfloat16 KV cache (float32 queries), the CPU kernel.
 
 One decode step's attention over every layer of SmolLM2-135M (30 layers, 9 query heads : 3 KV heads, head_dim
-64, block 16 or --block-size), each layer with its own cache so nothing stays in the L3 as it would if one layer were timed in a
-loop; blocks in a random order, as a long-running engine's are. Prints the median milliseconds per step, the K/V
-bytes read and the rate, for each cache dtype, interleaved in one run.
+64, block 16 or --block-size), each layer with its own cache so nothing stays in the L3 as it would if one
+layer were timed in a loop; blocks in a random order, as a long-running engine's are. Prints the median
+milliseconds per step, the K/V bytes read and the rate, for each cache dtype, interleaved in one run.
 
-    .venv/bin/python benchmarks/kv_cache_dtype_bench.py [--batches 1 16 64] [--context 300] [--threads 2] [--block-size 16]
+    .venv/bin/python benchmarks/kv_cache_dtype_bench.py [--batches 1 16 64] [--context 300] [--threads 2]
+        [--block-size 16]
 """
 from __future__ import annotations
 

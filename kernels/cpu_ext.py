@@ -1,6 +1,6 @@
 """JIT build and Python wrappers of the CPU kernels in csrc/cpu/ (paged decode attention, KV-cache write;
-the fused norm and rope ops of cpu_fused.py, the GGUF-block linear of gguf.py and the grammar bitmask of
-token_bitmask.py register from the same library).
+the fused norm and rope ops of cpu_fused.py, the GGUF-block linear of gguf.py, the grammar bitmask of
+token_bitmask.py and the sampler's sample_rows register from the same library).
 
 Built with torch.utils.cpp_extension.load into a per-machine cache dir (-march=native is safe there), the first
 time a process asks for it; later processes reuse the build unless the sources or flags change. Needs a C++
@@ -21,7 +21,8 @@ import torch
 
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
-           _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp"]
+           _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp",
+           _CSRC / "sampling_cpu.cpp"]
 # torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
 _VEC_CAPABILITIES = ("AVX512", "AVX2")
 
@@ -158,6 +159,16 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     as_int = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_starts, query_lens)]
     torch.ops.conveyor_cpu.paged_prefill(out, query, key_cache, value_cache, *as_int, float(scale))
     return out
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 logits [N, V]: temperature (> 0), min_p, top-k (V: none), then top-p on the
+    top-k renormalized distribution, drawn by inverse CDF at uniforms[i] in [0, 1). int64 [N]."""
+    load()
+    return torch.ops.conveyor_cpu.sample_rows(logits, temperature.float().contiguous(), top_k.long().contiguous(),
+                                              top_p.float().contiguous(), min_p.float().contiguous(),
+                                              uniforms.float().contiguous())
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -3,12 +3,19 @@
 Greedy, temperature, top-k, top-p, min-p and logprobs over a batch of logits rows. Seeded rows draw
 with their own generator, one row at a time, so a seeded request's tokens do not depend on its batch
 neighbours or its row position; everything else is vectorized across rows.
+
+On CPU the sampled rows go to one C++ kernel (kernels/csrc/cpu/sampling_cpu.cpp) when it is built: the same
+distribution from the same one uniform per row, without torch's top-k, logsumexp and sort over the vocabulary
+(a 64-row step over SmolLM2's 49k vocabulary: 7-26 ms in torch). Elsewhere, and without the kernel, torch.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
+from conveyor.kernels import cpu_ext
 from conveyor.serving.outputs import SampledToken
 from conveyor.serving.request import SamplingParams
 
@@ -45,7 +52,7 @@ class Sampler:
             tokens = self._sample(logits, params, generators)
         else:
             # Greedy rows (and the all-greedy fast path) need only an argmax: no softmax, no sort.
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
             if sample_rows:
                 rows = torch.tensor(sample_rows, device=logits.device)
                 tokens[rows] = self._sample(logits.index_select(0, rows),
@@ -68,6 +75,12 @@ class Sampler:
                 generators: list[torch.Generator | None]) -> Tensor:
         """Draw one token per row; every row here has temperature > 0. Never mutates `logits`."""
         device, vocab = logits.device, logits.shape[-1]
+        if device.type == "cpu" and _cpu_kernel():
+            return cpu_ext.sample_rows(
+                logits, torch.tensor([p.temperature for p in params]),
+                torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
+                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]),
+                self._uniforms(len(params), generators, device))
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits / temps.unsqueeze(1)
         if any(p.min_p > 0.0 for p in params):
@@ -116,24 +129,38 @@ class Sampler:
                 [top_p[i] for i in rest], [generators[i] for i in rest], num_candidates * 16)
         return tokens
 
-    def _inverse_cdf(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-        """One uniform per row, located in the row's cumulative distribution: token i is picked with
-        probability p_i, and it costs a cumsum rather than vocab random draws (5x cheaper on CPU).
-
-        Unseeded rows share one draw; a seeded row draws its single number from its own generator, so its
-        stream is the same whatever else is in the batch.
-        """
-        cdf = probs.cumsum_(dim=-1)
-        u = torch.empty(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device)
+    def _uniforms(self, num_rows: int, generators: list[torch.Generator | None], device: torch.device) -> Tensor:
+        """One uniform in [0, 1) per row. Unseeded rows share one draw; a seeded row draws its single number from
+        its own generator, so its stream is the same whatever else is in the batch."""
+        u = torch.empty(num_rows, dtype=torch.float32, device=device)
         if any(g is None for g in generators):
-            u.uniform_(generator=self.default_generator(probs.device))
+            u.uniform_(generator=self.default_generator(device))
         for row, generator in enumerate(generators):
             if generator is not None:
-                u[row].uniform_(generator=generator)
+                u[row:row + 1].uniform_(generator=generator)
+        return u
+
+    def _inverse_cdf(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+        """One uniform per row (_uniforms), located in the row's cumulative distribution: token i is picked with
+        probability p_i, and it costs a cumsum rather than vocab random draws (5x cheaper on CPU)."""
+        cdf = probs.cumsum_(dim=-1)
+        u = self._uniforms(probs.shape[0], generators, probs.device).unsqueeze(1)
         # right=True picks i with cdf[i-1] <= u < cdf[i], so a zero-probability token (cdf[i] == cdf[i-1])
         # can never be chosen; scaling by a hair under the total keeps u below the last cdf value.
         u.mul_(cdf[:, -1:] * (1.0 - 1e-6))
         return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+@functools.cache
+def _cpu_kernel() -> bool:
+    return cpu_ext.has_op("sample_rows")
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """torch.argmax over each row (the first maximum); the CPU kernel's is ~4x faster on a 49k vocabulary."""
+    if logits.device.type == "cpu" and logits.stride(-1) == 1 and _cpu_kernel():
+        return torch.ops.conveyor_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def top_candidates(logits: Tensor, top_k: Tensor, top_p: Tensor,
