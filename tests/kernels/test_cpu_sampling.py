@@ -1,10 +1,11 @@
 """The CPU sampling kernel (csrc/cpu/sampling_cpu.cpp) against a float64 inverse-CDF reference.
 
-For a given uniform u the kernel must pick exactly the token the reference picks: with filters, the u-quantile of
-the kept tokens in descending order of probability; without, the u-quantile in vocabulary order. Every filter
+For a given uniform u the kernel must pick exactly the token the reference picks: with a top-k, the u-quantile of
+the kept tokens in descending order of probability; otherwise (no filter, or top-p alone, whose nucleus is found
+without a sort) the u-quantile of the kept tokens in vocabulary order. Every filter
 (temperature, min_p, top-k, top-p on the top-k renormalized distribution) and the candidate search (a threshold
 below the row's max that drops until the candidates hold the answer) are exercised on a 49k vocabulary with
-peaked, flat and partly masked rows.
+peaked, flat, tied and partly masked rows.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def reference_token(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         drop = before >= top_p
         drop[0] = False
         p = p.masked_fill(drop, 0.0)
+    if top_k >= vocab:  # top-p alone: the nucleus in vocabulary order
+        p = torch.zeros(vocab, dtype=torch.float64).index_put_((order,), p)
+        order = torch.arange(vocab)
     cdf = p.cumsum(0)
     index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
     return int(order[min(index, vocab - 1)])
@@ -55,6 +59,8 @@ def _rows(kind: str, num: int, gen: torch.Generator) -> torch.Tensor:
         return base[:, torch.randperm(VOCAB, generator=gen)]
     if kind == "flat":  # high entropy: top-p needs thousands of tokens
         return base * 0.5
+    if kind == "ties":  # a handful of distinct values: the nucleus ends inside a run of equal logits
+        return torch.randint(0, 6, (num, VOCAB), generator=gen).float() * 0.7
     if kind == "masked":  # a grammar's bitmask: most tokens -inf
         masked = base * 2
         masked[:, torch.rand(VOCAB, generator=gen) < 0.97] = -math.inf
@@ -69,7 +75,7 @@ CASES = [  # temperature, top_k, top_p, min_p
 ]
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "masked"])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_picks_the_reference_token(kind: str, threads: int) -> None:
     gen = torch.Generator().manual_seed(len(kind) + threads)
