@@ -1,14 +1,17 @@
 // Sampling one token per row of float32 logits on CPU: temperature, min_p, top-k, then top-p (on the top-k
-// renormalized distribution; a top_p of 0 keeps the top token), a temperature that underflows float32 being the
-// argmax, drawn by inverse CDF from one uniform per row that the caller supplies (so a
-// seeded request's stream stays its own generator's). The semantics are serving/sampler.py's torch path.
+// renormalized distribution; a top_p of 0 keeps the top token), drawn by inverse CDF from one uniform per row that
+// the caller supplies, so a seeded request's stream stays its own generator's. A temperature that underflows
+// float32 is the argmax. The distribution is serving/sampler.py's torch path's; the order the draw walks is:
+// top-k rows in descending probability (as torch), unfiltered and top-p-only rows in vocabulary order.
 //
-// Why a kernel: over a 49k vocabulary torch needs a top-k of 256 candidates (4.4 ms for 64 rows on 2 cores),
-// a logsumexp and, for flat rows, a full sort; a step of 64 rows spent 7-26 ms sampling. Here a row costs two
-// vectorized passes (its max, then exp and sum with the candidates above a logit threshold gathered on the
-// way) and a sort of those few candidates. A filter needs only the tokens above some threshold: every token
-// below it has a smaller logit than every one above, so if the candidates hold the top-k (or the top-p mass)
-// the rest cannot matter; otherwise the threshold drops and the row is gathered again.
+// Why a kernel: over a 49k vocabulary torch needs a top-k of 256 candidates (4.4 ms for 64 rows on 2 cores), a
+// logsumexp and, for flat rows, a full sort; a 64-row step spent 7-10 ms sampling, flat rows 150 ms. Here:
+// - unfiltered: a vectorized exp-sum, then an inverse-CDF walk a vector at a time;
+// - top-k (k <= 4096): one pass through a min-heap of k that skips vectors which cannot enter it;
+// - top-p alone: candidates above a threshold below the row's max, gathered with the exp-sum. Every token below
+//   the threshold has a smaller logit than every candidate, so once the candidates hold the top-p mass the rest
+//   cannot matter (else the threshold drops and the row is gathered again). A quickselect by mass then finds the
+//   nucleus among them without a sort.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
