@@ -136,6 +136,8 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
            "--dump-prompts", str(prompts), "--disable-tqdm"]
     if max_concurrency:
         cmd += ["--max-concurrency", str(max_concurrency)]
+    if args.temperature > 0:  # vLLM's client sends greedy requests unless told
+        cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     before, children_before = snapshot(), _children_cpu_s()
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout_s)
@@ -170,7 +172,8 @@ def run_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
     rows = json.loads(Path(prompts_file).read_text())
     # `conveyor serve` defaults: max_num_seqs 64, 512-token budget
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
-    params = [SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True) for r in rows]
+    params = [SamplingParams(max_tokens=r["output_len"], temperature=args.temperature, top_p=args.top_p,
+                             ignore_eos=True) for r in rows]
     llm.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up, as the servers got one
     before = snapshot(client_pids={os.getpid()})
     started = time.monotonic()
@@ -252,6 +255,9 @@ def main() -> None:
                    help="every target (bfloat16: fast only where the CPU has native bf16)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="Conveyor's targets only (vLLM's server keeps its own KV cache at --dtype)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the servers' and inproc's requests (0: greedy; inproc_stream stays greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--conveyor-arg", action="append", default=[], help="extra flag for `conveyor serve`")
     p.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for `conveyor serve`")
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
