@@ -166,6 +166,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     """One token per row of float32 logits [N, V]: temperature (> 0), min_p, top-k (V: none), then top-p on the
     top-k renormalized distribution, drawn by inverse CDF at uniforms[i] in [0, 1). int64 [N]."""
     load()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     return torch.ops.conveyor_cpu.sample_rows(logits, temperature.float().contiguous(), top_k.long().contiguous(),
                                               top_p.float().contiguous(), min_p.float().contiguous(),
                                               uniforms.float().contiguous())
