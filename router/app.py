@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from conveyor.router.autoscaling import AutoscalingArgs
 from conveyor.router.ingress import Ingress, IngressSettings
 from conveyor.router.replica import EngineReplica
-from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ServeArgs(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     # the KV cache's dtype (vLLM's kv_cache_dtype): auto is the model's; bfloat16 on a float32 CPU model halves it
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = "auto"
     memory_fraction: float = Field(0.25, gt=0, le=1)  # CPU: of MemAvailable
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps

@@ -68,7 +68,6 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         if cuda_graphs == "capture":
             reason = graph_unsafe_reason(device, attention_backend)
             if reason is None and max_model_len is None:
@@ -82,7 +81,7 @@ class ModelRunner:
         # manager only knows blocks [0, num_blocks), so no request ever owns it.
         total_blocks = num_blocks + (cuda_graphs != "off")
         shape = (total_blocks, block_size, num_kv_heads, head_dim)
-        kv = zeroed_tensor((num_layers, 2, *shape), self.kv_cache_dtype, device)
+        kv = zeroed_tensor((num_layers, 2, *shape), dtype if kv_cache_dtype is None else kv_cache_dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(num_layers)]
         self.sampler = Sampler()
         # A row never needs more blocks than the context holds, nor than the cache has.

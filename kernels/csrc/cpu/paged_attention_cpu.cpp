@@ -324,72 +324,80 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t n, float* maxes, 
   }
 }
 
+// One pass over the task's tiles of base (its K or its V rows). For each tile and kv head, rows[] holds the
+// tile's rows of that head; then joint(h, heads, rows, count, t0, ahead, count_ahead) runs for each chunk of the
+// head's query heads (NC > 0; only the first chunk prefetches the tile kPrefetchTiles ahead), or single(h, rows,
+// count, t0) for each query head after its slice of the prefetch (the generic path). The caller prefetches the
+// first kPrefetchTiles tiles (prefetch_first), so that they can load during work before the walk.
+template <int NC, typename TC, typename Joint, typename Single>
+void walk_tiles(const TaskView<TC>& x, const TC* base, Joint&& joint, Single&& single) {
+  constexpr int64_t chunk = NC > 0 ? kJointHeads<NC> : 1;
+  const int64_t heads = x.kv_heads * x.group, row_floats = x.kv_heads * x.d;
+  const int64_t slice = (kTile + heads - 1) / heads;  // the generic path's prefetch: a slice per query head
+  const TC* rows[kTile];
+  const TC* ahead[kTile];
+  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
+    const int64_t count = std::min(kTile, x.n - t0);
+    const int64_t first_ahead = t0 + kPrefetchTiles * kTile;
+    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < count; ++t) rows[t] = base + x.offset[t0 + t] + kvh * x.d;
+      const int64_t end = (kvh + 1) * x.group;
+      if constexpr (NC > 0) {
+        int64_t count_ahead = std::clamp<int64_t>(x.n - first_ahead, 0, kTile);
+        for (int64_t t = 0; t < count_ahead; ++t) ahead[t] = base + x.offset[first_ahead + t] + kvh * x.d;
+        for (int64_t h = kvh * x.group; h < end; h += chunk, count_ahead = 0) {
+          with_joint_heads<NC>(std::min(chunk, end - h), [&](auto g) {
+            joint(h, g, rows, count, t0, ahead, count_ahead);
+          });
+        }
+      } else {
+        for (int64_t h = kvh * x.group; h < end; ++h) {
+          prefetch_ahead(base, x.offset, t0, h, slice, x.n, row_floats);
+          single(h, rows, count, t0);
+        }
+      }
+    }
+  }
+}
+
 // acc[h] = sum_t exp(s_ht - max_h) v_t with s_ht = q_h . k_t, and max_h, sum_h = sum_t exp(s_ht - max_h), for
 // every query head h (kv head h / group). Head dims of whole vectors (NC > 0): the group's heads go through
 // each tile together, so a K/V row is loaded (and, from a bf16/fp16 cache, widened) once per chunk of up to
 // kJointHeads heads instead of once per head.
 template <int NC, typename TC>
 void attend(const TaskView<TC>& x, float* scores, float* acc, float* maxes, float* sums) {
-  const int64_t heads = x.kv_heads * x.group, row_floats = x.kv_heads * x.d;
-  constexpr int64_t joint = NC > 0 ? kJointHeads<NC> : 1;
-  const int64_t slice = (kTile + heads - 1) / heads;  // the generic path's prefetch: a slice per query head
-  const TC* rows[kTile];
-  const TC* ahead[kTile];
-  alignas(64) Vec lanes[joint * kTile];
-  // The rows of the tile kPrefetchTiles ahead of t0 for kv head kvh: how many there are, into ahead.
-  auto rows_ahead = [&](const TC* base, int64_t t0, int64_t kvh) {
-    const int64_t first = t0 + kPrefetchTiles * kTile;
-    const int64_t count = std::clamp<int64_t>(x.n - first, 0, kTile);
-    for (int64_t t = 0; t < count; ++t) ahead[t] = base + x.offset[first + t] + kvh * x.d;
-    return count;
+  const int64_t heads = x.kv_heads * x.group;
+  alignas(64) Vec lanes[(NC > 0 ? kJointHeads<NC> : 1) * kTile];
+  const auto prefetch_first = [&](const TC* base) {
+    prefetch_rows(base, x.offset, 0, kPrefetchTiles * kTile, x.n, x.kv_heads * x.d);
   };
   // Pass 1: scores [heads, n].
-  prefetch_rows(x.k, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
-  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
-    const int64_t count = std::min(kTile, x.n - t0);
-    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
-      for (int64_t t = 0; t < count; ++t) rows[t] = x.k + x.offset[t0 + t] + kvh * x.d;
-      if constexpr (NC > 0) {
-        int64_t count_ahead = rows_ahead(x.k, t0, kvh);
-        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; h += joint, count_ahead = 0) {
-          with_joint_heads<NC>(std::min(joint, (kvh + 1) * x.group - h), [&](auto g) {
-            score_tile_joint<NC, decltype(g)::value, TC>(x.q + h * x.d, x.d, rows, count, scores + h * x.n + t0,
-                                                         x.n, lanes, ahead, count_ahead);
-          });
-        }
-      } else {
-        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
-          prefetch_ahead(x.k, x.offset, t0, h, slice, x.n, row_floats);
-          score_tile(x.q + h * x.d, rows, count, x.d, scores + h * x.n + t0);
-        }
-      }
-    }
-  }
+  prefetch_first(x.k);
+  walk_tiles<NC>(
+      x, x.k,
+      [&](int64_t h, auto g, const TC* const* rows, int64_t count, int64_t t0, const TC* const* ahead,
+          int64_t count_ahead) {
+        score_tile_joint<NC, decltype(g)::value, TC>(x.q + h * x.d, x.d, rows, count, scores + h * x.n + t0, x.n,
+                                                     lanes, ahead, count_ahead);
+      },
+      [&](int64_t h, const TC* const* rows, int64_t count, int64_t t0) {
+        score_tile(x.q + h * x.d, rows, count, x.d, scores + h * x.n + t0);
+      });
   // Pass 2: softmax numerators; V's first tiles load meanwhile.
-  prefetch_rows(x.v, x.offset, 0, kPrefetchTiles * kTile, x.n, row_floats);
+  prefetch_first(x.v);
   softmax_rows(scores, heads, x.n, maxes, sums);
   // Pass 3: probability-weighted V rows.
   std::fill(acc, acc + heads * x.d, 0.f);
-  for (int64_t t0 = 0; t0 < x.n; t0 += kTile) {
-    const int64_t count = std::min(kTile, x.n - t0);
-    for (int64_t kvh = 0; kvh < x.kv_heads; ++kvh) {
-      for (int64_t t = 0; t < count; ++t) rows[t] = x.v + x.offset[t0 + t] + kvh * x.d;
-      if constexpr (NC > 0) {
-        int64_t count_ahead = rows_ahead(x.v, t0, kvh);
-        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; h += joint, count_ahead = 0) {
-          with_joint_heads<NC>(std::min(joint, (kvh + 1) * x.group - h), [&](auto g) {
-            weighted_tile_joint<NC, decltype(g)::value, TC>(acc + h * x.d, x.d, scores + h * x.n + t0, x.n, rows,
-                                                            count, ahead, count_ahead);
-          });
-        }
-      } else {
-        for (int64_t h = kvh * x.group; h < (kvh + 1) * x.group; ++h) {
-          prefetch_ahead(x.v, x.offset, t0, h, slice, x.n, row_floats);
-          weighted_tile(acc + h * x.d, scores + h * x.n + t0, rows, count, x.d);
-        }
-      }
-    }
-  }
+  walk_tiles<NC>(
+      x, x.v,
+      [&](int64_t h, auto g, const TC* const* rows, int64_t count, int64_t t0, const TC* const* ahead,
+          int64_t count_ahead) {
+        weighted_tile_joint<NC, decltype(g)::value, TC>(acc + h * x.d, x.d, scores + h * x.n + t0, x.n, rows, count,
+                                                        ahead, count_ahead);
+      },
+      [&](int64_t h, const TC* const* rows, int64_t count, int64_t t0) {
+        weighted_tile(acc + h * x.d, scores + h * x.n + t0, rows, count, x.d);
+      });
 }
 
 template <typename TC>

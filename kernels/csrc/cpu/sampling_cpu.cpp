@@ -49,9 +49,12 @@ struct RowParams {
   float u;                                  // uniform in [0, 1)
 };
 
-float row_max(const float* x, int64_t n) {
-  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
-}
+inline Vec vec_max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
+inline Vec vec_add(const Vec& a, const Vec& b) { return a + b; }
+inline float lane_max(const Vec& v) { return at::vec::vec_reduce_all<float>(vec_max, v); }
+inline float lane_sum(const Vec& v) { return at::vec::vec_reduce_all<float>(vec_add, v); }
+
+float row_max(const float* x, int64_t n) { return at::vec::reduce_all<float>(vec_max, x, n); }
 
 // Vectors summed in float before their sum joins the double total: 49k float additions in a row would move a
 // quantile by more than a token's width in a flat row.
@@ -66,7 +69,7 @@ double exp_sum(const float* x, int64_t n, float inv_t, float m, float floor_s, f
   int64_t i = 0;
   for (int64_t v = 1; i + kVec <= n; i += kVec, ++v) {
     if (v % kBlockVecs == 0) {
-      sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+      sum += lane_sum(total);
       total = Vec(0.f);
     }
     const Vec s = Vec::loadu(x + i) * Vec(inv_t);
@@ -76,14 +79,14 @@ double exp_sum(const float* x, int64_t n, float inv_t, float m, float floor_s, f
       alignas(64) float lanes[kVec];
       s.store(lanes);
       // Most vectors hold no candidate: one compare of the lane maximum skips them.
-      if (at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s) >= gap_s) {
+      if (lane_max(s) >= gap_s) {
         for (int64_t j = 0; j < kVec; ++j) {
           if (lanes[j] >= gap_s && lanes[j] >= floor_s) out.emplace_back(lanes[j], i + j);
         }
       }
     }
   }
-  sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+  sum += lane_sum(total);
   for (; i < n; ++i) {
     const float s = x[i] * inv_t;
     if (s < floor_s) continue;
@@ -93,19 +96,26 @@ double exp_sum(const float* x, int64_t n, float inv_t, float m, float floor_s, f
   return sum;
 }
 
+// The last token whose scaled logit is at least s (the row's max always is): where an inverse-CDF walk ends when
+// rounding leaves its target past the kept mass.
+int64_t last_at_or_above(const float* x, int64_t n, float inv_t, float s) {
+  int64_t j = n - 1;
+  while (j > 0 && x[j] * inv_t < s) --j;
+  return j;
+}
+
 // No top-k or top-p: the inverse CDF over the kept tokens in vocabulary order.
 int64_t sample_unfiltered(const float* x, int64_t n, const RowParams& p, float m, float floor_s,
                           std::vector<std::pair<float, int64_t>>& scratch) {
   const double z = exp_sum(x, n, p.inv_temperature, m, floor_s, 0.f, false, scratch);
   const double target = p.u * z * (1.0 - 1e-9);
   double acc = 0.0;
-  int64_t last_kept = -1;
   int64_t i = 0;
   // A vector at a time (the same exp as exp_sum's), into its lanes only where the target falls inside it.
   for (; i + kVec <= n; i += kVec) {
     const Vec s = Vec::loadu(x + i) * Vec(p.inv_temperature);
     const Vec e = Vec::blendv(Vec(0.f), (s - Vec(m)).exp(), s >= Vec(floor_s));
-    const float block = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, e);
+    const float block = lane_sum(e);
     if (block == 0.f) continue;
     if (acc + block <= target) {
       acc += block;
@@ -114,25 +124,17 @@ int64_t sample_unfiltered(const float* x, int64_t n, const RowParams& p, float m
     alignas(64) float lanes[kVec];
     e.store(lanes);
     for (int64_t j = 0; j < kVec; ++j) {
-      if (lanes[j] == 0.f) continue;
       acc += lanes[j];
-      last_kept = i + j;
-      if (acc > target) return i + j;
+      if (lanes[j] > 0.f && acc > target) return i + j;
     }
   }
   for (; i < n; ++i) {
     const float s = x[i] * p.inv_temperature;
     if (s < floor_s) continue;
     acc += std::exp(s - m);
-    last_kept = i;
     if (acc > target) return i;
   }
-  if (last_kept < 0) {  // rounding left the target past every block: the last kept token
-    for (int64_t j = n - 1; j >= 0; --j) {
-      if (x[j] * p.inv_temperature >= floor_s) return j;
-    }
-  }
-  return last_kept;
+  return last_at_or_above(x, n, p.inv_temperature, floor_s);  // rounding left the target past the end
 }
 
 // The k highest scaled logits at or above floor_s into out, unsorted: a min-heap of k, and a vector whose
@@ -155,9 +157,7 @@ void top_k_candidates(const float* x, int64_t n, float inv_t, float floor_s, int
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) {
     const Vec s = Vec::loadu(x + i) * Vec(inv_t);
-    if (static_cast<int64_t>(out.size()) == k &&
-        at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s) <=
-            out.front().first) {
+    if (static_cast<int64_t>(out.size()) == k && lane_max(s) <= out.front().first) {
       continue;
     }
     alignas(64) float lanes[kVec];
@@ -167,10 +167,9 @@ void top_k_candidates(const float* x, int64_t n, float inv_t, float floor_s, int
   for (; i < n; ++i) offer(x[i] * inv_t, i);
 }
 
-// Top-k (then top-p within it) sampling: the candidates are exactly the top k, so no row-wide sum is needed.
-int64_t sample_top_k(const float* x, int64_t n, const RowParams& p, float m, float floor_s,
-                     std::vector<std::pair<float, int64_t>>& cand) {
-  top_k_candidates(x, n, p.inv_temperature, floor_s, p.top_k, cand);
+// A row's top-k candidates (exactly the top k, any order), then top-p within them: sorted, and drawn by inverse
+// CDF in descending order. The top-k renormalized distribution needs no row-wide sum.
+int64_t draw_top_k(const RowParams& p, float m, std::vector<std::pair<float, int64_t>>& cand) {
   std::sort(cand.begin(), cand.end(), higher);
   const int64_t count = static_cast<int64_t>(cand.size());
   std::vector<double> probs(count);
@@ -240,20 +239,18 @@ int64_t sample_nucleus(const float* x, int64_t n, const RowParams& p, float m, d
   const double mass = acc + ties * std::exp(static_cast<double>(cut - m));
   const double goal = p.u * mass * (1.0 - 1e-9);
   double walked = 0.0;
-  int64_t seen_ties = 0, last = -1;
+  int64_t seen_ties = 0;
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) {
     const Vec s = Vec::loadu(x + i) * Vec(p.inv_temperature);
-    const float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s);
+    const float top = lane_max(s);
     if (top < cut) continue;
     if (top > cut) {  // no tie in this vector unless some lane equals cut: checked below, lane by lane
       const Vec e = Vec::blendv(Vec(0.f), (s - Vec(m)).exp(), s > Vec(cut));
-      const float block = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, e);
-      const bool has_tie = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; },
-                                                          Vec::blendv(Vec(0.f), Vec(1.f), s == Vec(cut))) > 0.f;
+      const float block = lane_sum(e);
+      const bool has_tie = lane_sum(Vec::blendv(Vec(0.f), Vec(1.f), s == Vec(cut))) > 0.f;
       if (!has_tie && walked + block <= goal) {
         walked += block;
-        if (block > 0.f) last = i;  // some lane of this vector; refined only if the walk ends here
         continue;
       }
     }
@@ -268,7 +265,6 @@ int64_t sample_nucleus(const float* x, int64_t n, const RowParams& p, float m, d
       } else {
         continue;
       }
-      last = i + j;
       if (walked > goal) return i + j;
     }
   }
@@ -276,16 +272,10 @@ int64_t sample_nucleus(const float* x, int64_t n, const RowParams& p, float m, d
     const float sv = x[i] * p.inv_temperature;
     if (sv > cut || (sv == cut && seen_ties++ < ties)) {
       walked += std::exp(sv - m);
-      last = i;
       if (walked > goal) return i;
     }
   }
-  // Rounding left the goal past the end: the last nucleus token (a block's exact lane found again).
-  for (int64_t j = n - 1; j >= 0; --j) {
-    const float sv = x[j] * p.inv_temperature;
-    if (sv > cut || sv == cut) return j;
-  }
-  return last;
+  return last_at_or_above(x, n, p.inv_temperature, cut);  // rounding left the goal past the end
 }
 
 // Top-k rows with a k up to this take the heap; larger ones the threshold search.
@@ -297,7 +287,10 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& p, std::vector<st
   const bool has_k = p.top_k < n, has_p = p.top_p < 1.f;
   cand.clear();
   if (!has_k && !has_p) return sample_unfiltered(x, n, p, m, floor_s, cand);
-  if (has_k && p.top_k <= kMaxHeapK) return sample_top_k(x, n, p, m, floor_s, cand);
+  if (has_k && p.top_k <= kMaxHeapK) {
+    top_k_candidates(x, n, p.inv_temperature, floor_s, p.top_k, cand);
+    return draw_top_k(p, m, cand);
+  }
   double z = 0.0;
   for (float gap = kFirstGap;; gap *= 2.f) {
     cand.clear();
@@ -314,35 +307,11 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& p, std::vector<st
     }
   }
   if (!has_k) return sample_nucleus(x, n, p, m, z, cand);
-  int64_t keep = std::min<int64_t>(static_cast<int64_t>(cand.size()), p.top_k);
-  if (keep < static_cast<int64_t>(cand.size())) {  // a top-k among many candidates: select, then sort only k
-    std::nth_element(cand.begin(), cand.begin() + keep, cand.end(), higher);
-    cand.resize(keep);
+  if (static_cast<int64_t>(cand.size()) > p.top_k) {  // a top-k among many candidates: select the k first
+    std::nth_element(cand.begin(), cand.begin() + p.top_k, cand.end(), higher);
+    cand.resize(p.top_k);
   }
-  std::sort(cand.begin(), cand.end(), higher);
-  std::vector<float> probs(keep);
-  double kept_mass = 0.0;
-  for (int64_t i = 0; i < keep; ++i) kept_mass += (probs[i] = std::exp(cand[i].first - m));
-  if (has_p) {
-    // Top-p on the top-k renormalized distribution (the whole kept row without a k): the smallest prefix whose
-    // mass reaches top_p; the first token always stays.
-    const double norm = has_k ? kept_mass : z;
-    double before = 0.0;
-    int64_t i = 0;
-    for (; i < keep; ++i) {
-      if (i > 0 && before >= p.top_p * norm) break;
-      before += probs[i];
-    }
-    keep = i;
-    kept_mass = before;
-  }
-  const double target = p.u * kept_mass * (1.0 - 1e-9);
-  double acc = 0.0;
-  for (int64_t i = 0; i < keep; ++i) {
-    acc += probs[i];
-    if (acc > target) return cand[i].second;
-  }
-  return cand[std::max<int64_t>(keep - 1, 0)].second;
+  return draw_top_k(p, m, cand);
 }
 
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
@@ -408,10 +377,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
       const float m = row_max(x, vocab);
       int64_t i = 0;
       for (; i + kVec <= vocab; i += kVec) {
-        if (at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
-                                           Vec::loadu(x + i)) == m) {
-          break;
-        }
+        if (lane_max(Vec::loadu(x + i)) == m) break;
       }
       while (i < vocab && !(x[i] == m)) ++i;
       out[r] = i < vocab ? i : std::max_element(x, x + vocab) - x;  // a NaN row: whatever max_element says
