@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from conveyor.router import tool_calls
 from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
 from conveyor.router.tool_calls import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
-from conveyor.serving.request import SamplingParams, StructuredOutputsParams
+from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
@@ -59,6 +59,11 @@ class _SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension
+    # OpenAI's: token id (JSON keys are strings, "50256") -> bias added to its logit.
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
@@ -85,7 +90,7 @@ class _SamplingRequest(_Lenient):
 
     def unset_sampling_fields(self) -> list[str]:
         """Sampling settings the client left out: the replica fills them from the model's generation config."""
-        return [f for f in ("temperature", "top_p", "top_k", "min_p") if f not in self.model_fields_set]
+        return [f for f in SAMPLING_DEFAULT_KEYS if f not in self.model_fields_set]
 
     @property
     def include_usage(self) -> bool:
@@ -98,7 +103,9 @@ class _SamplingRequest(_Lenient):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=seed, stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output, structured=self._structured)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured=self._structured,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple((self.logit_bias or {}).items()))
 
 
 class CompletionRequest(_SamplingRequest):

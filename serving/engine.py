@@ -139,6 +139,8 @@ class LLMEngine:
         vocab_size = self.hf_config.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(t >= vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         num_prompt = len(token_ids)
         if num_prompt >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens; this model's context is {self.max_model_len} "

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 MIN_SAMPLING_TEMPERATURE = 1e-5
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The sampling settings a model's generation_config.json may recommend, applied to requests that leave them
+# unset (the ones vLLM takes from a generation config).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token's
     include_stop_str_in_output: bool = False
     structured: StructuredOutputsParams | None = None
+    # Penalties as OpenAI (presence, frequency: over the output) and vLLM (repetition: over prompt and output)
+    # define them; serving/logits_processors.py applies them, greedy rows included.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: added to the token's logit before sampling. A dict is accepted and kept as sorted
+    # (token id, bias) pairs, so the record stays hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +70,22 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):  # vLLM's: > 0
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        for token_id, value in self.logit_bias:
+            if token_id < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {token_id}: {value}")
+
+    @property
+    def has_logits_edits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -38,9 +38,11 @@ class Sampler:
         self._seed = seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[SampledToken]:
-        """Sample one token per row of `logits` [N, vocab]; params[i] and generators[i] belong to row i."""
+    def __call__(self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 logprob_logits: Tensor | None = None) -> list[SampledToken]:
+        """Sample one token per row of `logits` [N, vocab]; params[i] and generators[i] belong to row i.
+        Logprobs come from `logprob_logits` where given (the logits before penalties and bias, as vLLM's default
+        raw logprobs are), else from `logits`."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, "
                              f"{len(generators)} generators")
@@ -58,7 +60,7 @@ class Sampler:
                 tokens[rows] = self._sample(logits.index_select(0, rows),
                                             [params[i] for i in sample_rows],
                                             [generators[i] for i in sample_rows])
-        return _to_outputs(logits, tokens, params)
+        return _to_outputs(logits if logprob_logits is None else logprob_logits.float(), tokens, params)
 
     def default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._default_generators.get(device)

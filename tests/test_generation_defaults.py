@@ -34,3 +34,15 @@ def test_only_what_the_client_left_out_takes_the_default() -> None:
     plain = CompletionRequest.model_validate({"prompt": "hi"})
     params = apply_generation_defaults(plain.to_sampling_params(), defaults, plain.unset_sampling_fields())
     assert (params.temperature, params.top_p, params.top_k) == (0.2, 0.9, -1)
+
+
+def test_a_generation_config_repetition_penalty_applies_when_unset(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.15, "temperature": 0.7}))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"repetition_penalty": 1.15, "temperature": 0.7}
+    plain = CompletionRequest.model_validate({"prompt": "hi"})
+    params = apply_generation_defaults(plain.to_sampling_params(), defaults, plain.unset_sampling_fields())
+    assert params.repetition_penalty == 1.15
+    sent = CompletionRequest.model_validate({"prompt": "hi", "repetition_penalty": 1.0})
+    params = apply_generation_defaults(sent.to_sampling_params(), defaults, sent.unset_sampling_fields())
+    assert params.repetition_penalty == 1.0

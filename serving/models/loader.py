@@ -19,7 +19,7 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.llama import LlamaForCausalLM
-from conveyor.serving.request import SamplingParams
+from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -51,11 +51,10 @@ def resolve_model_path(model: str) -> Path:
                      "dir, or a local .gguf file (hub ids are not supported: there is no hub access)")
 
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def generation_defaults(model_dir: Path) -> dict[str, float]:
-    """The sampling settings a model's generation_config.json recommends (temperature, top_p, top_k, min_p), for
+    """The sampling settings a model's generation_config.json recommends (SAMPLING_DEFAULT_KEYS), for
     requests that leave them unset; values SamplingParams would refuse are ignored."""
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():

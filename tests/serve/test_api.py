@@ -84,6 +84,26 @@ def test_n_seeds_logprobs_and_token_prompts(client: OpenAI) -> None:
     assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
 
 
+def test_penalties_and_logit_bias_through_the_api(client: OpenAI, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    forced = tokenizer.encode(" fox")[0]
+    out = client.completions.create(model=MODEL, prompt="The quick", max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == tokenizer.decode([forced] * 4)
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    penalized = client.completions.create(**kwargs, frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    repetition = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert plain not in (penalized, repetition.choices[0].text)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100},
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode([forced] * 3)
+
+
 def _post(base_url: str, path: str, body: bytes | dict, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(base_url + path, content=content, timeout=30,
@@ -110,6 +130,11 @@ BAD_INPUTS = {
     "prompt_beyond_context": ({**OK, "prompt": "hello world " * 400}, 400, "invalid_prompt"),
     "token_id_out_of_vocab": ({**OK, "prompt": [1, 10**6]}, 400, "invalid_prompt"),
     "n_too_large": ({**OK, "n": 100}, 400, "invalid_value"),
+    "presence_penalty_out_of_range": ({**OK, "presence_penalty": 2.5}, 400, "invalid_value"),
+    "repetition_penalty_zero": ({**OK, "repetition_penalty": 0}, 400, "invalid_value"),
+    "logit_bias_value_out_of_range": ({**OK, "logit_bias": {"5": 150}}, 400, "invalid_value"),
+    "logit_bias_key_not_a_token_id": ({**OK, "logit_bias": {"fox": 1}}, 400, "invalid_value"),
+    "logit_bias_token_out_of_vocab": ({**OK, "logit_bias": {"1000000": 1}}, 400, "invalid_prompt"),
     "too_many_stops": ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     "body_10mb": (b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, "request_too_large"),
     # Structured outputs: refused at the ingress, never answered in free text.
