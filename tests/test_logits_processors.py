@@ -6,6 +6,8 @@ defines them (over the output, by count), logit bias added first, as vLLM V1 ord
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
@@ -108,9 +110,7 @@ def test_engine_greedy_with_edits_matches_transformers(tiny_model_dir, engine_kw
     prompts = [llm.engine.tokenize(t) for t in ("The quick brown fox", "What is the capital of France? " * 3,
                                                 "Continuous batching admits new requests")]
     num_tokens = 24
-    params = [SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, presence_penalty=p.presence_penalty,
-                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                             logit_bias=p.logit_bias) for p in EDITS]
+    params = [dataclasses.replace(p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in EDITS]
     plain = [SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
     results = llm.generate(prompts + prompts, params + plain)  # edited and unedited rows share the steps
     reference = [reference_greedy(tiny_model_dir, ids, p, num_tokens) for ids, p in zip(prompts, params, strict=True)]
