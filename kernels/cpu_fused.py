@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual add) and rotary embedding on CPU: torch.ops.conveyor_cpu from csrc/cpu/fused_ops_cpu.cpp.
+"""Fused RMSNorm (+ residual add), rotary embedding and silu-and-mul on CPU: torch.ops.conveyor_cpu from
+csrc/cpu/fused_ops_cpu.cpp.
 
 They live in the CPU extension that cpu_ext.py builds; loading it registers the ops. Callers check
 `is_available()` once (at model build) and keep the plain torch path otherwise.
@@ -30,3 +31,9 @@ def rotary_embedding_neox(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Rotate-half rope, in place, on the first num_heads heads of every row of qk [T, >= num_heads*head_dim]
     (rows may be strided, e.g. the q|k part of a fused qkv output); cos/sin float32 [T, head_dim/2]."""
     torch.ops.conveyor_cpu.rotary_embedding_neox(qk, cos, sin, num_heads, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:] for x [T, 2n] with contiguous rows (vLLM's silu_and_mul): one pass, no [T, n]
+    intermediate."""
+    return torch.ops.conveyor_cpu.silu_and_mul(x)

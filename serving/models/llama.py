@@ -169,8 +169,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    """fused: the activation is one C++ pass (kernels/cpu_fused.py), not silu then mul."""
+
+    def __init__(self, config, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu")
@@ -179,7 +182,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_fused.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
+                *gate_up.shape[:-1], self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -189,7 +196,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, backend: str, fused: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend, fused)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, fused)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 

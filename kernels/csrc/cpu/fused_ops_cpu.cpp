@@ -1,4 +1,5 @@
-// Fused per-token ops of a Llama layer for CPU: RMSNorm (with the residual add folded in) and rotary embedding.
+// Fused per-token ops of a Llama layer for CPU: RMSNorm (with the residual add folded in), rotary embedding and
+// the MLP's silu-and-mul.
 //
 // Why: in a decode step these ops touch a few KB per token, so their cost is dispatch, not arithmetic. The
 // torch versions take ~7 (norm) and ~10 (rope) aten calls each, ~1 000 calls per SmolLM2 step; one call per
@@ -11,9 +12,11 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -163,16 +166,59 @@ void rotary_embedding_neox(at::Tensor qk, const at::Tensor& cos, const at::Tenso
   });
 }
 
+// out[t] = silu(x[t, :n]) * x[t, n:] for x [T, 2n]: the MLP's activation, one pass where torch's silu and mul
+// make two and write the [T, n] silu in between (a 256-token SmolLM2 prefill: ~6 ms of 30 layers).
+// silu(g) = g / (1 + exp(-g)) with ATen's vectorized exp, as torch's own CPU silu computes it.
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  const int64_t rows = x.size(0), in_stride = x.stride(0);
+  const T* in = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(3 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * in_stride;
+      const T* up = gate + n;
+      T* o = dst + r * n;
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (; i + Vec::size() <= n; i += Vec::size()) {
+          const Vec g = Vec::loadu(gate + i);
+          (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(up + i)).store(o + i);
+        }
+      }
+      for (; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [tokens, 2 * n], got ", x.sizes());
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x, out, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(conveyor_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding_neox(Tensor(a!) qk, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding_neox", &rotary_embedding_neox);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
