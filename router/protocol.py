@@ -62,12 +62,23 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM's extension
     # OpenAI's: token id (JSON keys are strings, "50256") -> bias added to its logit.
     logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
     _structured: StructuredOutputsParams | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> _SamplingRequest:
+        limit = self._max_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({limit})")
+        return self
+
+    def _max_tokens(self) -> int | None:
+        return None
 
     @model_validator(mode="after")
     def _check_structured(self) -> _SamplingRequest:
@@ -105,7 +116,8 @@ class _SamplingRequest(_Lenient):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output, structured=self._structured,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=tuple((self.logit_bias or {}).items()))
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple((self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -136,6 +148,9 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def to_sampling_params(self, index: int = 0) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, index)
@@ -230,8 +245,11 @@ class ChatCompletionRequest(_SamplingRequest):
             return tool_calls.render_messages(dumped, self.tools, self.tool_choice)
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens  # None: up to the context length
+
     def to_sampling_params(self, index: int = 0) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
+        max_tokens = self._max_tokens()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, index)
 

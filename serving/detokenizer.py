@@ -37,9 +37,12 @@ def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._decode_ids = ids_decoder(tokenizer)
         self._stop = tuple(stop)
+        # Stop strings are looked for only in text of tokens past the first min_tokens (as vLLM does).
+        self._min_tokens = min_tokens
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
         self._num_prompt = len(prompt_token_ids)
@@ -129,7 +132,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str, final: bool) -> str:
         """Run new text through the stop-string check; return what may be sent to the client."""
         buf = self._held + delta
-        if not self._stop:
+        if not self._stop or len(self.output_token_ids) <= self._min_tokens:
             self._held = ""
             return self._send(buf)
         # Held text is exactly what could start a stop string, so a match can only begin inside `buf`.

@@ -149,6 +149,8 @@ class LLMEngine:
         if num_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                              f"context of {self.max_model_len} tokens")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
         capacity = self.kv_cache.max_tokens_ever()
         if cdiv(num_prompt + max_tokens, self.kv_cache.block_size) > self.kv_cache.num_blocks:
             raise ValueError(f"prompt + max_tokens ({num_prompt + max_tokens} tokens) can never fit this "

@@ -1,7 +1,8 @@
-"""The logits edits a request asks for, applied in place before sampling: logit bias, then penalties.
+"""The logits edits a request asks for, applied in place before sampling: min_tokens, logit bias, then penalties.
 
 Semantics are vLLM's (vllm/model_executor/layers/utils.py, apply_penalties; OpenAI's for presence and frequency),
 in vLLM V1's order:
+- min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf while the output is shorter;
 - logit_bias: the bias is added to the token's logit;
 - repetition_penalty r, over every token in the prompt or the output so far: a positive logit is divided by r,
   a negative one multiplied by it (r > 1 discourages repeats);
@@ -30,14 +31,19 @@ def edited_rows(params: list[SamplingParams]) -> list[int]:
 
 
 def apply_logits_edits(logits: Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
-                       output_ids: list[list[int]]) -> None:
-    """Edit logits [rows, vocab] in place for the rows that ask; prompt_ids[i] and output_ids[i] are row i's tokens.
-    Token ids must be < vocab (the engine checks prompts and logit_bias at admission)."""
+                       output_ids: list[list[int]], eos_ids: list[int | None] | None = None) -> None:
+    """Edit logits [rows, vocab] in place for the rows that ask; prompt_ids[i] and output_ids[i] are row i's tokens,
+    eos_ids[i] its EOS (for min_tokens). Token ids must be < vocab (the engine checks prompts and logit_bias at
+    admission; a stop token id past the vocabulary can never be sampled, so it needs no mask)."""
     rows = edited_rows(params)
     if not rows:
         return
     vocab, device = logits.shape[-1], logits.device
     flat = logits.view(-1)
+    masked = [i * vocab + t for i in rows if len(output_ids[i]) < params[i].min_tokens
+              for t in _stop_ids(params[i], None if eos_ids is None else eos_ids[i]) if t < vocab]
+    if masked:
+        flat[torch.tensor(masked, device=device)] = float("-inf")
     bias_rows = [i for i in rows if params[i].logit_bias]
     if bias_rows:
         keys = [i * vocab + t for i in bias_rows for t, _ in params[i].logit_bias]
@@ -60,6 +66,14 @@ def apply_logits_edits(logits: Tensor, params: list[SamplingParams], prompt_ids:
     if presence_rows:
         keys = _keys(vocab, presence_rows, [output_ids[i] for i in presence_rows], None, device).unique()
         flat.index_add_(0, keys, -_per_row(params, "presence_penalty", device)[keys // vocab])
+
+
+def _stop_ids(params: SamplingParams, eos_id: int | None) -> list[int]:
+    """The tokens that would end the request: masked until min_tokens (vLLM's MinTokensLogitsProcessor)."""
+    ids = list(params.stop_token_ids)
+    if eos_id is not None and not params.ignore_eos:
+        ids.append(eos_id)
+    return ids
 
 
 def _keys(vocab: int, rows: list[int], first: list[list[int]], second: list[list[int]] | None,

@@ -148,14 +148,14 @@ class ModelRunner:
     @staticmethod
     def _apply_logits_edits(logits: torch.Tensor, params: list[SamplingParams], chunks: list
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Penalties and logit bias where asked: (edited logits, the unedited ones where a penalized row wants
-        logprobs, else None)."""
+        """Penalties, logit bias and min_tokens where asked: (edited logits, the unedited ones where such a row
+        wants logprobs, else None)."""
         if not edited_rows(params):
             return logits, None
         logits = logits.float().contiguous()
         raw = logits.clone() if any(p.has_logits_edits and p.logprobs is not None for p in params) else None
         apply_logits_edits(logits, params, [c.request.prompt_token_ids for c in chunks],
-                           [c.request.output_token_ids for c in chunks])
+                           [c.request.output_token_ids for c in chunks], [c.request.eos_token_id for c in chunks])
         return logits, raw
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:

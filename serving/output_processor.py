@@ -59,7 +59,7 @@ class OutputProcessor:
             prompt_token_ids, params = pending
             detok = self._states[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output)
+                include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         return detok
 
     def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:

@@ -50,6 +50,9 @@ class SamplingParams:
     # OpenAI's logit_bias: added to the token's logit before sampling. A dict is accepted and kept as sorted
     # (token id, bias) pairs, so the record stays hashable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: EOS and stop_token_ids cannot be sampled, and stop strings are not looked for, before this many
+    # output tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens} "
+                             f"(max_tokens {self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
@@ -83,9 +89,9 @@ class SamplingParams:
 
     @property
     def has_logits_edits(self) -> bool:
-        """Whether a penalty or a bias changes this request's logits before sampling."""
+        """Whether a penalty, a bias or min_tokens may change this request's logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -235,3 +235,15 @@ def test_smollm2_round_trips() -> None:
     ids = _encode(tok, texts[1])
     detok, deltas = _stream(tok, prompt, ids, stop=("テキスト",))
     assert "".join(deltas) == "日本語の" and detok.stopped
+
+
+def test_stop_strings_wait_for_min_tokens(byte_level: Any) -> None:
+    """vLLM's min_tokens: a stop string in the text of the first min_tokens tokens does not stop the request;
+    one after them does."""
+    text = "hello world, hello world, hello again"
+    ids = _encode(byte_level, text)
+    first_world = len(_encode(byte_level, "hello world"))
+    _, deltas = _stream(byte_level, [], ids, stop=("world",))
+    assert "".join(deltas) == "hello "
+    detok, deltas = _stream(byte_level, [], ids, stop=("world",), min_tokens=first_world)
+    assert detok.stopped and "".join(deltas) == "hello world, hello "

@@ -139,3 +139,41 @@ def test_logit_bias_beyond_the_vocabulary_is_refused(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.engine.make_request("hi", SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.zeros(3, 10)
+    params = [SamplingParams(min_tokens=3, stop_token_ids=(4, 99)),  # 99: past the vocabulary, nothing to mask
+              SamplingParams(min_tokens=3, ignore_eos=True),  # EOS is no stop token here
+              SamplingParams(min_tokens=2)]  # reached: nothing masked
+    apply_logits_edits(logits, params, [[1], [1], [1]], [[5, 6], [5], [5, 6]], [2, 2, 2])
+    assert torch.isinf(logits[0, [2, 4]]).all() and torch.isfinite(logits[0, [0, 1, 3, 5]]).all()
+    assert torch.isfinite(logits[1:]).all()
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_engine_min_tokens_holds_back_a_stop_token(tiny_model_dir):
+    """Greedy with the plain run's 3rd token as a stop token: it stops there, unless min_tokens holds the stop
+    token back, in which case the output is the greedy run with that token masked for the first min_tokens steps."""
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    prompt = llm.engine.tokenize("What is the capital of France? Paris")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop_id = plain[2]
+    assert stop_id not in plain[:2]  # the prompt is chosen so that the stop token first comes 3rd
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=(stop_id,)))[0]
+    assert stopped.token_ids == plain[:3] and stopped.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=8,
+                                                 stop_token_ids=(stop_id,)))[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    expected: list[int] = []
+    with torch.no_grad():
+        while len(expected) < 12:
+            logits = model(torch.tensor([prompt + expected])).logits[0, -1]
+            if len(expected) < 8:
+                logits[stop_id] = float("-inf")
+            expected.append(int(logits.argmax()))
+            if len(expected) >= 8 and expected[-1] == stop_id:
+                break
+    assert held.token_ids == expected and stop_id not in held.token_ids[:8]

@@ -135,6 +135,7 @@ BAD_INPUTS = {
     "logit_bias_value_out_of_range": ({**OK, "logit_bias": {"5": 150}}, 400, "invalid_value"),
     "logit_bias_key_not_a_token_id": ({**OK, "logit_bias": {"fox": 1}}, 400, "invalid_value"),
     "logit_bias_token_out_of_vocab": ({**OK, "logit_bias": {"1000000": 1}}, 400, "invalid_prompt"),
+    "min_tokens_above_max_tokens": ({**OK, "min_tokens": 5}, 400, "invalid_value"),
     "too_many_stops": ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     "body_10mb": (b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, "request_too_large"),
     # Structured outputs: refused at the ingress, never answered in free text.
