@@ -13,6 +13,7 @@ from tests.serve.streaming import StreamStarts, stream_completion
 pytestmark = pytest.mark.timeout(240)
 
 APP = "conveyor-test-replicas"
+STREAM_TOKENS = 400  # long enough to be mid-stream when the kill lands; + the prompt, within the 512 context
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,11 @@ def test_killing_a_replica_loses_no_unstarted_request(base_url: str) -> None:
     victim_id = victim.rsplit("#", 1)[-1]
     starts = StreamStarts()
     with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(stream_completion, base_url, f"load {i} " * 4, 150, starts.note) for i in range(16)]
+        futures = [pool.submit(stream_completion, base_url, f"load {i} " * 4, STREAM_TOKENS, starts.note)
+                   for i in range(16)]
         # Kill as soon as the victim streams a full batch (2), while the rest wait in queues: a fixed sleep raced
-        # the tiny model, whose first streams could finish and free their slots just before the kill.
+        # the tiny model, whose first streams could finish and free their slots just before the kill. At 150
+        # tokens the victim's two streams still finished before the kill landed in ~1 run of 3.
         assert starts.wait_for(lambda counts: counts[victim_id] >= 2, 60), starts.counts
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         results = [f.result(timeout=180) for f in futures]
@@ -53,7 +56,7 @@ def test_killing_a_replica_loses_no_unstarted_request(base_url: str) -> None:
     finished = [r for r in results if r.error is None]
     # Never an HTTP error and never a hang: every stream either completes or says it was cut, then [DONE].
     assert all(r.status == 200 and r.done for r in results), [(r.status, r.error) for r in results]
-    assert all(r.finish_reason == "length" and r.tokens == 150 for r in finished)
+    assert all(r.finish_reason == "length" and r.tokens == STREAM_TOKENS for r in finished)
     # Only streams already running on the victim may be cut; every queued one is retried on the other replica.
     # The bound is two batches, in case both slots turn over between the second stream's start and the kill.
     assert all(r.chunks >= 1 and r.replica == victim_id for r in cut), [(r.replica, r.chunks) for r in cut]
