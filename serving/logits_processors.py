@@ -25,17 +25,28 @@ from torch import Tensor
 from conveyor.serving.request import SamplingParams
 
 
-def edited_rows(params: list[SamplingParams]) -> list[int]:
-    """The rows whose request asks for a penalty or a bias."""
-    return [i for i, p in enumerate(params) if p.has_logits_edits]
+def edit_logits(logits: Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                output_ids: list[list[int]], eos_ids: list[int | None]) -> tuple[Tensor, Tensor | None]:
+    """The step's logits with every row's edits, and the unedited logits where an edited row wants logprobs
+    (vLLM reports raw ones), else None. Rows that ask for nothing leave `logits` as it is, uncopied."""
+    rows = [i for i, p in enumerate(params) if p.has_logits_edits]
+    if not rows:
+        return logits, None
+    logits = logits.float().contiguous()
+    raw = logits.clone() if any(params[i].logprobs is not None for i in rows) else None
+    apply_logits_edits(logits, params, prompt_ids, output_ids, eos_ids, rows)
+    return logits, raw
 
 
 def apply_logits_edits(logits: Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
-                       output_ids: list[list[int]], eos_ids: list[int | None] | None = None) -> None:
-    """Edit logits [rows, vocab] in place for the rows that ask; prompt_ids[i] and output_ids[i] are row i's tokens,
-    eos_ids[i] its EOS (for min_tokens). Token ids must be < vocab (the engine checks prompts and logit_bias at
-    admission; a stop token id past the vocabulary can never be sampled, so it needs no mask)."""
-    rows = edited_rows(params)
+                       output_ids: list[list[int]], eos_ids: list[int | None] | None = None,
+                       rows: list[int] | None = None) -> None:
+    """Edit float32 logits [rows, vocab] in place for the rows that ask (`rows`, when the caller knows them);
+    prompt_ids[i] and output_ids[i] are row i's tokens, eos_ids[i] its EOS (for min_tokens). Token ids must be
+    < vocab (the engine checks prompts and logit_bias at admission; a stop token id past the vocabulary can never
+    be sampled, so it needs no mask)."""
+    if rows is None:
+        rows = [i for i, p in enumerate(params) if p.has_logits_edits]
     if not rows:
         return
     vocab, device = logits.shape[-1], logits.device

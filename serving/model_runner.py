@@ -13,7 +13,7 @@ from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.cuda_graphs import DecodeGraphs, capture_sizes, graph_unsafe_reason
 from conveyor.serving.input_batch import InputBatch
 from conveyor.serving.kv_cache_manager import cdiv
-from conveyor.serving.logits_processors import apply_logits_edits, edited_rows
+from conveyor.serving.logits_processors import edit_logits
 from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput, StepTimings
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.sampler import Sampler, make_generator
@@ -127,7 +127,9 @@ class ModelRunner:
             return ModelRunnerOutput(timings=timings)
         self._apply_grammars(logits, sampling_chunks)
         params = [c.request.sampling_params for c in sampling_chunks]
-        logits, raw_logits = self._apply_logits_edits(logits, params, sampling_chunks)
+        logits, raw_logits = edit_logits(logits, params, [c.request.prompt_token_ids for c in sampling_chunks],
+                                         [c.request.output_token_ids for c in sampling_chunks],
+                                         [c.request.eos_token_id for c in sampling_chunks])
         generators = [self._generator_for(c.request.request_id, c.request.sampling_params.seed)
                       for c in sampling_chunks]
         sampled = self.sampler(logits, params, generators, raw_logits)
@@ -144,19 +146,6 @@ class ModelRunner:
 
             self.grammar_bitmask = GrammarBitmask(logits.shape[-1])
         self.grammar_bitmask.apply(logits, rows, [chunks[i].request.grammar.matcher for i in rows])
-
-    @staticmethod
-    def _apply_logits_edits(logits: torch.Tensor, params: list[SamplingParams], chunks: list
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Penalties, logit bias and min_tokens where asked: (edited logits, the unedited ones where such a row
-        wants logprobs, else None)."""
-        if not edited_rows(params):
-            return logits, None
-        logits = logits.float().contiguous()
-        raw = logits.clone() if any(p.has_logits_edits and p.logprobs is not None for p in params) else None
-        apply_logits_edits(logits, params, [c.request.prompt_token_ids for c in chunks],
-                           [c.request.output_token_ids for c in chunks], [c.request.eos_token_id for c in chunks])
-        return logits, raw
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

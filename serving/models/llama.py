@@ -182,10 +182,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.fused:
-            return self.down_proj(cpu_fused.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
-                *gate_up.shape[:-1], self.intermediate))
+            return self.down_proj(cpu_fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -51,8 +51,6 @@ def resolve_model_path(model: str) -> Path:
                      "dir, or a local .gguf file (hub ids are not supported: there is no hub access)")
 
 
-
-
 def generation_defaults(model_dir: Path) -> dict[str, float]:
     """The sampling settings a model's generation_config.json recommends (SAMPLING_DEFAULT_KEYS), for
     requests that leave them unset; values SamplingParams would refuse are ignored."""
