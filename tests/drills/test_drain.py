@@ -97,6 +97,35 @@ def load_until_both_busy(pool: ThreadPoolExecutor, url: str, num_requests: int, 
     return futures
 
 
+def engine_gauges(url: str, name: str) -> dict[str, float]:
+    """A gauge's value on each engine replica, read from the replicas' own metrics endpoints."""
+    values = {}
+    for target in httpx.get(url + "/metrics/targets", timeout=10).json():
+        if target["labels"].get("conveyor_role") == "engine":
+            text = httpx.get(f"http://{target['targets'][0]}/metrics", timeout=10).text
+            values[target["labels"]["replica"]] = sum(
+                float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+    return values
+
+
+def queue_on_both(pool: ThreadPoolExecutor, url: str, max_tokens: int, max_extra: int = 8) -> list[Any]:
+    """Wait until each replica holds a queued request, sending one more stream (routed to the less loaded
+    replica) every half second while one does not: whichever replica Serve stops must have something to hand
+    back. Without this the drill failed ~1 run in 3: the router had queued all four spare streams on one replica
+    and Serve stopped the other."""
+    extra: list[Any] = []
+    deadline = time.monotonic() + 60
+    while True:
+        waiting = engine_gauges(url, "conveyor_requests_waiting")
+        if len(waiting) == 2 and min(waiting.values()) >= 1:
+            return extra
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no queue on both replicas: waiting {waiting} after {len(extra)} more streams")
+        if len(extra) < max_extra:
+            extra.append(pool.submit(stream_completion, url, f"queued {len(extra)} " * 4, max_tokens, None, 180))
+        time.sleep(0.5)
+
+
 def wait_scaled_in(before: list[str], timeout_s: float) -> tuple[str, float]:
     """The replica Serve stopped (its id as streams report it) and when its actor was gone."""
     def one_left() -> list[str] | None:
@@ -117,8 +146,9 @@ def test_scale_in_finishes_running_streams_and_hands_back_the_queue(serve_cluste
                                                                     long_context_model_dir) -> None:
     args = app_args | {"model": str(long_context_model_dir), "num_kv_blocks": 600, "drain_timeout_s": 60}
     url = serve_cluster + ROUTE
-    with declared_app(args, 2) as apply, ThreadPoolExecutor(8) as pool:
+    with declared_app(args, 2) as apply, ThreadPoolExecutor(16) as pool:
         futures = load_until_both_busy(pool, url, 8, SCALE_IN_STREAM_TOKENS)
+        futures += queue_on_both(pool, url, SCALE_IN_STREAM_TOKENS)
         before = replica_actor_names(APP)
         scaled_at = time.monotonic()
         apply(args, 1)
@@ -135,7 +165,8 @@ def test_scale_in_finishes_running_streams_and_hands_back_the_queue(serve_cluste
     assert finished_on_victim >= 2  # the full batch it was streaming when told to stop
     by_replica = {replica: sum(r.replica == replica for r in results) for replica in {r.replica for r in results}}
     assert handed_back >= 1 and cut_counted == 0, (handed_back, cut_counted, victim_id, by_replica)
-    report = {"requests": len(results), "finished_on_stopped_replica": finished_on_victim,
+    report = {"requests": len(results), "streams_sent_for_a_queue_on_both": len(results) - 8,
+              "finished_on_stopped_replica": finished_on_victim,
               "handed_back": handed_back, "stopped_replica_exit_s": round(gone_at - scaled_at, 2),
               "drain_timeout_s": 60}
     write_artifact("drain_scale_in", report)
