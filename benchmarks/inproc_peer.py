@@ -8,6 +8,7 @@ attention) against an fp32 GEMM timed in the same run, the issue-13 efficiency f
 
     .venv/bin/python benchmarks/inproc_peer.py                               # max batch 1 and 64, ~10 min
     .venv/bin/python benchmarks/inproc_peer.py --max-num-seqs 64 --systems conveyor --json out.json
+    .venv/bin/python benchmarks/inproc_peer.py --systems conveyor,conveyor-async    # async scheduling A/B
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, se
     else:
         from conveyor.serving import LLM, SamplingParams
 
-        llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        # "conveyor-async": the same engine with async scheduling (serving/step_pipeline.py)
+        llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                  async_scheduling=system == "conveyor-async")
         params = [SamplingParams(max_tokens=i.max_tokens, temperature=0.0, ignore_eos=True) for i in items]
 
         def run(ps: list, sps: list) -> list[int]:
@@ -94,7 +97,7 @@ def work_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> 
 
 
 def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_seqs: int, num_requests: int) -> dict:
-    cmd = [sys.executable if system == "conveyor" else args.vllm_python, str(Path(__file__).resolve()),
+    cmd = [args.vllm_python if system == "vllm" else sys.executable, str(Path(__file__).resolve()),
            "--worker", system, "--model-dir", model_dir, "--max-num-seqs", str(max_num_seqs),
            "--num-requests", str(num_requests), "--seed", str(args.seed), "--workload", args.workload,
            "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
@@ -156,7 +159,7 @@ def main() -> None:
                      gemm_gflops=gemm / 1e9, gemm_fraction=flops / r["seconds"] / gemm)
             by_system[system] = r
             rows.append(r)
-            print(f"max batch {max_num_seqs:>3} {system:>9}: {r['output_tok_per_s']:7.1f} output tok/s, "
+            print(f"max batch {max_num_seqs:>3} {system:>14}: {r['output_tok_per_s']:7.1f} output tok/s, "
                   f"{r['achieved_gflops']:6.1f} GFLOP/s = {r['gemm_fraction']:.0%} of the GEMM rate "
                   f"({r['seconds']:.1f} s, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens)",
                   flush=True)

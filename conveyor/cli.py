@@ -26,6 +26,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--itl-slo-ms", type=float, default=None,
                         help="tail-latency mode: size each step to keep inter-token latency under this target")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule each step while the one before runs (vLLM's option; off by default)")
     parser.add_argument("--gguf-max-rows", type=int, default=None,
                         help="CPU, model from a GGUF: steps of at most this many tokens read its quantized blocks "
                              "(0: always the fp32 weights; default: 64 with AVX-512, else 8)")
@@ -42,7 +44,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
-                                  itl_slo_ms=args.itl_slo_ms),
+                                  itl_slo_ms=args.itl_slo_ms, async_scheduling=args.async_scheduling),
         attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows)
 
 

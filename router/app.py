@@ -74,6 +74,7 @@ class ServeArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
     itl_slo_ms: float | None = Field(None, gt=0)  # tail-latency mode: step budget sized to this ITL target
+    async_scheduling: bool = False  # schedule each step while the one before runs (serving/step_pipeline.py)
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     device: str = "auto"
@@ -114,7 +115,7 @@ class ServeArgs(BaseModel):
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       max_queue_wait_s=self.max_queue_wait_s,
-                                      itl_slo_ms=self.itl_slo_ms),
+                                      itl_slo_ms=self.itl_slo_ms, async_scheduling=self.async_scheduling),
             attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs,
             gguf_max_rows=self.gguf_max_rows, grammar_compile_timeout_s=self.grammar_compile_timeout_s)
 

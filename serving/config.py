@@ -61,6 +61,11 @@ class SchedulerConfig:
     # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
     # a 70 ms SLO (p99 71, max 323 ms); 8 kept it (p99 59, max 69) for ~30% more long-prompt TTFT (RESULTS.md).
     min_prefill_tokens: int = 8
+    # vLLM's async scheduling: step N+1 is scheduled, and step N's tokens are turned into outputs, while step N's
+    # forward runs (serving/step_pipeline.py). The engine learns a request ended one step late, so a request that
+    # stops at EOS has one wasted token computed; steps with a request whose sampling reads its own output
+    # (penalties, min_tokens, grammars) wait for the step before.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
@@ -77,6 +82,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.async_scheduling and self.scheduling == "static":
+            raise ValueError("async_scheduling needs scheduling 'continuous' (the static baseline stays synchronous)")
 
 
 @dataclass(frozen=True)

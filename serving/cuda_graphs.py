@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from conveyor.serving.attention import AttentionMetadata
+from conveyor.serving.input_batch import chunk_token_ids
 from conveyor.serving.outputs import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def graph_unsafe_reason(device: torch.device, backend: str) -> str | None:
 class DecodeInputs:
     """Host arrays of one padded decode step: ids/positions/slots int64 [3, size], tables int32 [size, cols]."""
 
-    def __init__(self, chunks: Sequence[ScheduledChunk], size: int, block_size: int, pad_block: int) -> None:
+    def __init__(self, chunks: Sequence[ScheduledChunk], size: int, block_size: int, pad_block: int,
+                 last_sampled: dict[str, int] | None = None) -> None:
         batch = len(chunks)
         if not 1 <= batch <= size:
             raise ValueError(f"batch of {batch} does not fit size {size}")
@@ -81,7 +83,7 @@ class DecodeInputs:
         self.seq_lens = np.ones(size, dtype=np.int32)  # padding rows attend to their own 1-token context
         for i, chunk in enumerate(chunks):
             pos = chunk.start
-            (token,) = chunk.request.token_slice(pos, pos + 1)
+            (token,) = chunk_token_ids(chunk, last_sampled or {})
             self.longs[0, i] = token
             self.longs[1, i] = pos
             self.longs[2, i] = chunk.block_ids[pos // block_size] * block_size + pos % block_size
@@ -158,14 +160,14 @@ class DecodeGraphs:
         logger.info("captured %d CUDA graphs for decode batch sizes %s in %.2fs", len(self.graphs), self.sizes,
                     self.capture_seconds)
 
-    def prepare(self, chunks: Sequence[ScheduledChunk]) -> int | None:
+    def prepare(self, chunks: Sequence[ScheduledChunk], last_sampled: dict[str, int] | None = None) -> int | None:
         """Copy a pure-decode step into the static buffers; its padded size, or None when it must run eagerly."""
         if not is_pure_decode(chunks):
             return None
         size = padded_size(self.sizes, len(chunks))
         if size is None:
             return None
-        inputs = DecodeInputs(chunks, size, self.block_size, self.pad_block)
+        inputs = DecodeInputs(chunks, size, self.block_size, self.pad_block, last_sampled)
         if inputs.cols > self.max_blocks:  # cannot happen below max_model_len; run it eagerly rather than fail
             return None
         self.longs[:, :size].copy_(torch.from_numpy(inputs.longs))
@@ -175,9 +177,11 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(torch.from_numpy(inputs.seq_lens))
         return size
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a pure-decode step of B <= max size sequences, else None (run eager)."""
-        size = self.prepare(chunks)
+    def run(self, chunks: Sequence[ScheduledChunk], last_sampled: dict[str, int] | None = None
+            ) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a pure-decode step of B <= max size sequences, else None (run eager).
+        last_sampled: as InputBatch.prepare's (async scheduling)."""
+        size = self.prepare(chunks, last_sampled)
         if size is None:
             return None
         self.num_replays += 1

@@ -5,6 +5,8 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,10 +21,11 @@ from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.output_processor import CoreOutput, OutputProcessor
-from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken
+from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
 from conveyor.serving.scheduler import Scheduler
 from conveyor.serving.static_scheduler import StaticScheduler
+from conveyor.serving.step_pipeline import LaunchedStep, StepPipeline
 from conveyor.serving.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -104,9 +107,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
         self.step_trace = StepTrace.from_env()
+        self._pipeline = StepPipeline(self.runner.execute) if sched_cfg.async_scheduling else None
         logger.info("engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s backend=%s kv_blocks=%d "
-                    "(%d tokens)", config.model.model, self.device, self.dtype, self.kv_cache_dtype,
-                    self.attention_backend, num_blocks, num_blocks * block_size)
+                    "(%d tokens) async_scheduling=%s", config.model.model, self.device, self.dtype,
+                    self.kv_cache_dtype, self.attention_backend, num_blocks, num_blocks * block_size,
+                    sched_cfg.async_scheduling)
 
     def _attach_gguf_weights(self, max_rows: int) -> int:
         if max_rows == 0:
@@ -181,7 +186,7 @@ class LLMEngine:
             self.output_processor.remove(request.request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pipeline is not None and self._pipeline.in_flight)
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], EngineStepStats]:
@@ -195,15 +200,37 @@ class LLMEngine:
         return outputs, stats
 
     def core_step(self) -> tuple[list[CoreOutput], EngineStepStats]:
-        """Schedule, run the model, sample, append: token ids out, no text (see output_processor.py)."""
+        """Schedule, run the model, sample, append: token ids out, no text (see output_processor.py). Under async
+        scheduling the step whose outputs this returns was scheduled the call before, and the next one is
+        already running when it returns (step_pipeline.py)."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return self._finish(self._launch(self.runner.execute))
+        if not pipeline.in_flight:
+            pipeline.push(self._launch(pipeline.submit))
+        if pipeline.has_room and self.scheduler.has_unfinished() and self._can_schedule_ahead():
+            pipeline.push(self._launch(pipeline.submit))
+        return self._finish(pipeline.pop())
+
+    def _can_schedule_ahead(self) -> bool:
+        """No running request whose token in flight its next sampling reads (penalties, min_tokens, grammar)."""
+        return not any(r.num_output_placeholders and (r.grammar is not None or r.sampling_params.reads_output)
+                       for r in self.scheduler.running)
+
+    def _launch(self, run: Callable[[SchedulerOutput], Any]) -> LaunchedStep:
         start = time.perf_counter()
         queries, hits = self.kv_cache.num_prefix_queries, self.kv_cache.num_prefix_hits
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.preempted_ids:
             self._wait_for_grammars()
-        scheduled = time.perf_counter()
-        runner_out = self.runner.execute(sched)
+        schedule_s = time.perf_counter() - start
+        return LaunchedStep(sched, start, schedule_s, self.kv_cache.num_prefix_queries - queries,
+                            self.kv_cache.num_prefix_hits - hits, run(sched))
+
+    def _finish(self, step: LaunchedStep) -> tuple[list[CoreOutput], EngineStepStats]:
+        runner_out, execute_s = step.wait()
         executed = time.perf_counter()
+        sched = step.sched
         # Classify chunks before update() appends the sampled tokens and moves the requests on.
         num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         updated = self.scheduler.update(sched, runner_out)
@@ -211,19 +238,20 @@ class LLMEngine:
         sampled = runner_out.sampled
         outputs = [self._core_output(request, sampled[request.request_id], now) for request in updated]
         outputs += [self._core_output(request, None, now) for request in sched.failed]
-        self.scheduler.observe_step(sched, time.perf_counter() - start)
         timings = runner_out.timings
-        timings.schedule_s = scheduled - start
+        timings.schedule_s = step.schedule_s
         timings.output_s = time.perf_counter() - executed
+        # Synchronous: the step's wall time. Async: the same parts, though scheduling overlapped the step before.
+        step_time_s = step.schedule_s + execute_s + timings.output_s
+        self.scheduler.observe_step(sched, step_time_s)
         stats = EngineStepStats(
-            step_time_s=time.perf_counter() - start, timings=timings,
+            step_time_s=step_time_s, timings=timings,
             num_scheduled_tokens=sched.num_scheduled_tokens,
             num_prefill_tokens=num_prefill, num_decode_tokens=sched.num_scheduled_tokens - num_prefill,
             batch_size=len(sched.chunks), num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache.usage,
             num_preemptions=len(sched.preempted_ids),
-            num_prefix_cache_queries=self.kv_cache.num_prefix_queries - queries,
-            num_prefix_cache_hits=self.kv_cache.num_prefix_hits - hits)
+            num_prefix_cache_queries=step.num_prefix_queries, num_prefix_cache_hits=step.num_prefix_hits)
         if self.step_trace is not None:
             self.step_trace.write(stats)
         return outputs, stats

@@ -15,6 +15,17 @@ import numpy as np
 from conveyor.serving.outputs import ScheduledChunk
 
 
+def chunk_token_ids(chunk: ScheduledChunk, last_sampled: dict[str, int]) -> list[int]:
+    """The chunk's input token ids. Under async scheduling a decode may be scheduled before the token it feeds
+    is appended to its request (the step before samples it while this one is scheduled): that one comes from
+    last_sampled, the runner's record of the tokens it sampled last. It is the same id whichever is read."""
+    request = chunk.request
+    ids = request.token_slice(chunk.start, chunk.start + chunk.num_tokens)
+    if len(ids) < chunk.num_tokens:
+        ids.append(last_sampled[request.request_id])
+    return ids
+
+
 @dataclass
 class StepArrays:
     """One step's flat inputs (numpy, host), in chunk order."""
@@ -69,7 +80,7 @@ class InputBatch:
         self.num_blocks += [0] * old
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepArrays:
+    def prepare(self, chunks: list[ScheduledChunk], last_sampled: dict[str, int] | None = None) -> StepArrays:
         rows, starts, query_lens, seq_lens, token_ids, sampling = [], [], [], [], [], []
         max_blocks = 0
         for i, chunk in enumerate(chunks):
@@ -80,7 +91,10 @@ class InputBatch:
             starts.append(start)
             query_lens.append(num)
             seq_lens.append(start + num)
-            token_ids.extend(request.token_slice(start, start + num))
+            if last_sampled:
+                token_ids.extend(chunk_token_ids(chunk, last_sampled))
+            else:
+                token_ids.extend(request.token_slice(start, start + num))
             if chunk.samples:
                 sampling.append(i)
         rows_np = np.array(rows, dtype=np.int64)

@@ -110,12 +110,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         start = self._num_registered.get(request.request_id, 0)
-        if request.num_computed_tokens // self.block_size <= start:  # no block filled up since the last call
+        # Async scheduling counts the tokens of a step in flight as computed before their ids are known.
+        num_known = min(request.num_computed_tokens, request.num_tokens)
+        if num_known // self.block_size <= start:  # no block filled up since the last call
             return
         table = self.block_tables.get(request.request_id)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_known // self.block_size, len(table))
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
@@ -134,7 +136,8 @@ class KVCacheManager:
             self._hashes.pop(request.request_id, None)
 
     def check_invariants(self, live_request_ids: set[str]) -> None:
-        """Every block free xor owned; ref counts equal the number of tables holding the block."""
+        """Every block free xor owned; ref counts equal the number of tables holding the block; a cached block
+        holds a whole block of token ids."""
         owners: dict[int, int] = {}
         for rid, table in self.block_tables.items():
             if rid not in live_request_ids:
@@ -147,3 +150,5 @@ class KVCacheManager:
                 raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} != owners {expected}")
             if (expected == 0) != self.pool.is_free(block):
                 raise AssertionError(f"block {block.block_id}: free={self.pool.is_free(block)} owners={expected}")
+            if block.token_ids is not None and len(block.token_ids) != self.block_size:
+                raise AssertionError(f"block {block.block_id} is cached with {len(block.token_ids)} token ids")

@@ -89,6 +89,9 @@ class ModelRunner:
         max_blocks = min(cdiv(max_model_len, block_size) if max_model_len else num_blocks, num_blocks)
         self.input_batch = InputBatch(max_num_seqs, max_blocks, block_size)
         self._generators: dict[str, torch.Generator] = {}
+        # Each live request's last sampled token: under async scheduling the next step may be scheduled, and
+        # prepared, before the engine appends it to the request (input_batch.chunk_token_ids).
+        self.last_sampled: dict[str, int] = {}
         self.grammar_bitmask = None  # serving.grammar_bitmask.GrammarBitmask, at the first constrained row
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs != "off":
@@ -100,8 +103,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        last_sampled = self.last_sampled
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
+            last_sampled.pop(rid, None)
+        for rid in sched.preempted_ids:  # recomputed from its request's tokens, which by then hold the last one
+            last_sampled.pop(rid, None)
         # Released on every step, graph replays included, so no ended request keeps a row.
         self.input_batch.release(sched.finished_ids)
         self.input_batch.release(sched.preempted_ids)
@@ -109,7 +116,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         timings = StepTimings()
         start = time.perf_counter()
-        hidden = self.decode_graphs.run(sched.chunks) if self.decode_graphs is not None else None
+        hidden = self.decode_graphs.run(sched.chunks, last_sampled) if self.decode_graphs is not None else None
         if hidden is not None:  # one row per chunk, in order (graph replay: preparing and running are one)
             rows = [i for i, c in enumerate(sched.chunks) if c.samples]
             logits_indices = (slice(None) if len(rows) == len(sched.chunks)
@@ -134,6 +141,8 @@ class ModelRunner:
                       for c in sampling_chunks]
         sampled = self.sampler(logits, params, generators, raw_logits)
         out = {c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)}
+        for rid, token in out.items():
+            last_sampled[rid] = token.token_id
         timings.sample_s = time.perf_counter() - forward_end
         return ModelRunnerOutput(out, timings)
 
@@ -157,7 +166,7 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        arrays = self.input_batch.prepare(sched.chunks)
+        arrays = self.input_batch.prepare(sched.chunks, self.last_sampled)
         dev = self.device
 
         def tensor(a: np.ndarray) -> torch.Tensor:

@@ -22,9 +22,10 @@ class ScheduledChunk:
     is_prefill: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        end, num_tokens = self.start + self.num_tokens, self.request.num_tokens
+        request = self.request
+        end, num_tokens = self.start + self.num_tokens, request.num_tokens + request.num_output_placeholders
         self.samples = end == num_tokens
-        self.is_prefill = end < num_tokens or self.start < len(self.request.prompt_token_ids)
+        self.is_prefill = end < num_tokens or self.start < len(request.prompt_token_ids)
 
     @property
     def end(self) -> int:

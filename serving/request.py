@@ -94,6 +94,12 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens)
 
     @property
+    def reads_output(self) -> bool:
+        """Whether sampling this request's next token reads the tokens it has output (penalties, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
+
+    @property
     def greedy(self) -> bool:
         # Below this, dividing float32 logits by the temperature overflows to inf/NaN; it is argmax anyway.
         return self.temperature < MIN_SAMPLING_TEMPERATURE
@@ -134,6 +140,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # The one progress counter: how many of prompt + output tokens have their KV in the cache.
     num_computed_tokens: int = 0
+    # Async scheduling: tokens of steps in flight, scheduled (num_computed_tokens counts them) but not yet sampled.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

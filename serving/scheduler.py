@@ -8,7 +8,7 @@ from collections import deque
 
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
-from conveyor.serving.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus
 from conveyor.serving.step_cost import StepCostModel
 
@@ -39,6 +39,9 @@ class Scheduler:
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
         self.step_cost = StepCostModel()
         self._mean_step_s = 0.0  # recent step time (exponential average), for expected queue waits
+        # Async scheduling: a chunk counts as computed when it is scheduled, and a sampling chunk leaves a
+        # placeholder until update() gets its token, so the next step can be scheduled before this one ends.
+        self._ahead = config.async_scheduling
 
     # ---- queue state -------------------------------------------------------------------------------
     @property
@@ -104,7 +107,7 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledChunk] = {}
         # Decodes first: they are one token each and every running stream is waiting on its next token.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: _num_pending(r) > 1)
         for request in order:
             if budget == 0:
                 break
@@ -118,6 +121,8 @@ class Scheduler:
                 continue
             chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
             scheduled[request.request_id] = chunk
+            if self._ahead:
+                _commit_ahead(chunk)
             budget -= num_new
         if not out.preempted_ids:
             held = self._hold_back_compiling(out)
@@ -135,9 +140,9 @@ class Scheduler:
             return limit
         if not self.step_cost.ready:
             return min(limit, max(COLD_START_BUDGET, len(self.running)))
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if _num_pending(r) == 1]
         # The next prefill tokens go to running prefills first, then to the head of the queue.
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefills = [r for r in self.running if _num_pending(r) > 1]
         if not prefills and self.waiting:
             prefills = [self.waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
@@ -168,10 +173,18 @@ class Scheduler:
             self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_reads)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = _num_pending(request)
+        if request.num_output_placeholders and self._ends_in_flight(request):
+            return 0
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
         return min(remaining, budget)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """A token in flight will be its last by length (max_tokens, the context): nothing more to schedule."""
+        num_ahead = request.num_output_placeholders
+        return (request.num_output_tokens + num_ahead >= request.max_tokens
+                or request.num_tokens + num_ahead >= self.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledChunk],
                              out: SchedulerOutput) -> list[int] | None:
@@ -197,6 +210,7 @@ class Scheduler:
         self.kv_cache.free(request, forget_hashes=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token still in flight is appended when it lands (update)
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._num_waiting_tokens += request.num_tokens
@@ -243,7 +257,9 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self.running.append(request)
-            scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
+            chunk = scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
+            if self._ahead:
+                _commit_ahead(chunk)
             budget -= num_new
         return budget
 
@@ -263,11 +279,20 @@ class Scheduler:
         # Locals: this loop runs for every request of every step (256 of them: ~0.7 ms of a step's host work).
         running, cache_full_blocks, sampled_of = RequestStatus.RUNNING, self.kv_cache.cache_full_blocks, \
             runner_output.sampled.get
+        ahead = self._ahead
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.status is not running:
-                continue  # aborted between schedule and update
-            request.num_computed_tokens += chunk.num_tokens
+                # Aborted or finished between schedule and update; under async scheduling also preempted by the
+                # step scheduled meanwhile, whose token (computed on its own valid cache) is still its next one.
+                if ahead and request.status is RequestStatus.PREEMPTED:
+                    updated += self._land_on_preempted(request, sampled_of(request.request_id))
+                continue
+            if ahead:
+                if chunk.samples:
+                    request.num_output_placeholders -= 1
+            else:
+                request.num_computed_tokens += chunk.num_tokens
             cache_full_blocks(request)
             sampled = sampled_of(request.request_id)
             if sampled is None:
@@ -282,6 +307,21 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
         return updated
+
+    def _land_on_preempted(self, request: Request, sampled: SampledToken | None) -> list[Request]:
+        if sampled is None:
+            return []
+        request.output_token_ids.append(sampled.token_id)
+        self._num_waiting_tokens += 1  # it waits with one more token to recompute
+        if request.grammar is not None and not request.grammar.accept(sampled.token_id):
+            status = RequestStatus.FINISHED_ERROR
+        else:
+            status = self._stop_status(request, sampled.token_id)
+        if status is not None:
+            self.waiting.remove(request)
+            self._num_waiting_tokens -= request.num_tokens
+            self._finish(request, status)
+        return [request]
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -305,3 +345,15 @@ class Scheduler:
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
+
+
+def _num_pending(request: Request) -> int:
+    """Tokens of the request still to schedule (a running decode: 1)."""
+    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+
+def _commit_ahead(chunk: ScheduledChunk) -> None:
+    request = chunk.request
+    request.num_computed_tokens += chunk.num_tokens
+    if chunk.samples:
+        request.num_output_placeholders += 1

@@ -86,6 +86,26 @@ def test_kv_cache_dtype_reaches_the_engine_config(tmp_path: Path, monkeypatch: p
         parser.parse_args(["serve", "--kv-cache-dtype", "int8"])
 
 
+def test_async_scheduling_from_flag_and_file(tmp_path, monkeypatch) -> None:
+    from conveyor.cli import engine_config_from_args
+
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--async-scheduling"])
+    merged = serve_args_from(args, args.serve_parser)
+    assert merged == {"async_scheduling": True}
+    assert ServeArgs.model_validate(merged).engine_config().scheduler.async_scheduling
+    assert not ServeArgs().engine_config().scheduler.async_scheduling
+    config = tmp_path / "serve.yaml"
+    config.write_text("async_scheduling: true\n")
+    from_file = serve_args_from(parser.parse_args(["serve", "--config", str(config)]), args.serve_parser)
+    assert ServeArgs.model_validate(from_file).engine_config().scheduler.async_scheduling
+    with pytest.raises(ValidationError, match="async_scheduling"):
+        ServeArgs(async_scheduling=True, scheduling="static")
+    generate = parser.parse_args(["generate", "hi", "--async-scheduling"])
+    assert engine_config_from_args(generate).scheduler.async_scheduling
+
+
 def test_protocol_to_sampling_params() -> None:
     req = CompletionRequest(prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=10, n=2,
                             stop="x", logprobs=2)
