@@ -67,6 +67,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attent
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        # Async scheduling: the pipeline's thread makes every torch call, the build's included (step_pipeline.py).
+        self._pipeline = StepPipeline() if config.scheduler.async_scheduling else None
+        if self._pipeline is not None:
+            self._pipeline.call(self._build)
+        else:
+            self._build()
+
+    def _build(self) -> None:
+        config = self.config
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
         torch.manual_seed(config.model.seed)
         if self.device.type == "cpu":
@@ -107,7 +116,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
         self.step_trace = StepTrace.from_env()
-        self._pipeline = StepPipeline(self.runner.execute) if sched_cfg.async_scheduling else None
         logger.info("engine ready: model=%s device=%s dtype=%s kv_cache_dtype=%s backend=%s kv_blocks=%d "
                     "(%d tokens) async_scheduling=%s", config.model.model, self.device, self.dtype,
                     self.kv_cache_dtype, self.attention_backend, num_blocks, num_blocks * block_size,
@@ -206,10 +214,11 @@ class LLMEngine:
         pipeline = self._pipeline
         if pipeline is None:
             return self._finish(self._launch(self.runner.execute))
+        submit = functools.partial(pipeline.submit, self.runner.execute)
         if not pipeline.in_flight:
-            pipeline.push(self._launch(pipeline.submit))
+            pipeline.push(self._launch(submit))
         if pipeline.has_room and self.scheduler.has_unfinished() and self._can_schedule_ahead():
-            pipeline.push(self._launch(pipeline.submit))
+            pipeline.push(self._launch(submit))
         return self._finish(pipeline.pop())
 
     def _can_schedule_ahead(self) -> bool:

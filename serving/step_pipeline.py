@@ -48,20 +48,27 @@ class LaunchedStep:
 
 
 class StepPipeline:
-    """Steps submitted in order to one worker thread; the oldest is taken back first."""
+    """One worker thread that makes every torch call of an engine, its build included; steps are submitted to it
+    in order and taken back oldest first.
 
-    def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput]) -> None:
-        self._execute = execute
+    One thread for all of it, because on a CPU a second thread entering OpenMP parallel regions halves the step
+    (measured: a batch-1 decode step 7.2 -> 14-17 ms, the quantized linears' short regions 3.5 -> 10-12 ms a
+    step), and for good: libgomp keeps a thread team per master thread; with more of its threads than cores it
+    stops spinning between regions, so every region pays a wake-up, and with OMP_WAIT_POLICY=ACTIVE the idle
+    team spins on the other's cores instead. So the engine's build runs here too, and the thread that steps the
+    engine must not have run torch's parallel kernels itself.
+    """
+
+    def __init__(self) -> None:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
         self.in_flight: deque[LaunchedStep] = deque()
 
-    def submit(self, sched: SchedulerOutput) -> Future:
-        return self._worker.submit(self._timed, sched)
+    def call(self, fn: Callable[[], object]) -> object:
+        """fn() on the worker thread; its result or its exception."""
+        return self._worker.submit(fn).result()
 
-    def _timed(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
-        start = time.perf_counter()
-        out = self._execute(sched)
-        return out, time.perf_counter() - start
+    def submit(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], sched: SchedulerOutput) -> Future:
+        return self._worker.submit(_timed, execute, sched)
 
     @property
     def has_room(self) -> bool:
@@ -75,3 +82,10 @@ class StepPipeline:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _timed(execute: Callable[[SchedulerOutput], ModelRunnerOutput], sched: SchedulerOutput
+           ) -> tuple[ModelRunnerOutput, float]:
+    start = time.perf_counter()
+    out = execute(sched)
+    return out, time.perf_counter() - start

@@ -183,3 +183,20 @@ def test_the_engine_process_schedules_ahead(tiny_model_dir):
         finally:
             engine.shutdown()
     assert streams[0] == streams[1] and len(streams[0]) == 12
+
+
+def test_decode_inputs_take_a_token_not_yet_appended_from_the_runner_record():
+    """The CUDA-graph path's padded decode inputs (cuda_graphs.DecodeInputs) read the same fallback as the eager
+    path (input_batch.chunk_token_ids)."""
+    from conveyor.serving.cuda_graphs import DecodeInputs
+    from conveyor.serving.outputs import ScheduledChunk
+
+    known = make_request("known", 5, 8)
+    known.output_token_ids = [41]
+    ahead = make_request("ahead", 5, 8)
+    ahead.output_token_ids = [42]
+    ahead.num_output_placeholders = 1  # its second output token is in flight, not yet appended
+    chunks = [ScheduledChunk(known, 5, 1, [0, 1]), ScheduledChunk(ahead, 6, 1, [2, 3])]
+    inputs = DecodeInputs(chunks, 4, block_size=4, pad_block=9, last_sampled={"ahead": 77, "known": 41})
+    assert inputs.longs[0, :2].tolist() == [41, 77]
+    assert inputs.longs[1, :2].tolist() == [5, 6]
