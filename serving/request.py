@@ -158,6 +158,12 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_to_schedule(self) -> int:
+        """Tokens not yet scheduled: a running decode has 1 (under async scheduling its input may be in flight)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders \
+            - self.num_computed_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

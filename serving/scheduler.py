@@ -10,10 +10,8 @@ from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus
+from conveyor.serving.step_budget import StepBudget
 from conveyor.serving.step_cost import StepCostModel
-
-# Token budget while the step-cost model is still learning (tail-latency mode only): small and safe.
-COLD_START_BUDGET = 64
 
 
 class QueueFullError(RuntimeError):
@@ -38,6 +36,7 @@ class Scheduler:
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
         self.step_cost = StepCostModel()
+        self.budget = StepBudget(config, self.step_cost)
         self._mean_step_s = 0.0  # recent step time (exponential average), for expected queue waits
         # Async scheduling: a chunk counts as computed when it is scheduled, and a sampling chunk leaves a
         # placeholder until update() gets its token, so the next step can be scheduled before this one ends.
@@ -107,7 +106,7 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledChunk] = {}
         # Decodes first: they are one token each and every running stream is waiting on its next token.
-        order = sorted(self.running, key=lambda r: _num_pending(r) > 1)
+        order = sorted(self.running, key=lambda r: r.num_tokens_to_schedule > 1)
         for request in order:
             if budget == 0:
                 break
@@ -132,40 +131,8 @@ class Scheduler:
         return out
 
     def token_budget(self) -> int:
-        """This step's token budget: fixed, or in tail-latency mode what the step-cost model says fits the
-        ITL target. Running decodes always fit (starving a stream would hurt its latency more), and pending
-        prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill the target."""
-        limit = self.config.max_num_batched_tokens
-        if self.config.itl_slo_ms is None:
-            return limit
-        if not self.step_cost.ready:
-            return min(limit, max(COLD_START_BUDGET, len(self.running)))
-        decodes = [r for r in self.running if _num_pending(r) == 1]
-        # The next prefill tokens go to running prefills first, then to the head of the queue.
-        prefills = [r for r in self.running if _num_pending(r) > 1]
-        if not prefills and self.waiting:
-            prefills = [self.waiting[0]]
-        floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
-        num_seqs = len(self.running) + (1 if self.waiting else 0)
-        fits = self.step_cost.max_tokens_within(
-            self._target_step_s(), num_seqs, num_decodes=len(decodes),
-            decode_kv_reads=sum(r.num_tokens for r in decodes),
-            prefill_context=prefills[0].num_computed_tokens if prefills else 0)
-        return min(limit, max(fits, floor, 1))
-
-    def _target_step_s(self) -> float:
-        return self.config.itl_slo_ms / 1000 * self.config.slo_headroom
-
-    def _batch_has_room(self) -> bool:
-        """Tail-latency mode caps the batch: admit one more sequence only if a decode step over the larger
-        batch (the new request's prompt included in the context read) is still predicted under the target.
-        Otherwise new requests wait (and past the queue bound get 429), which keeps the admitted streams'
-        inter-token latency."""
-        if self.config.itl_slo_ms is None or not self.step_cost.ready or not self.running:
-            return True
-        num_seqs = len(self.running) + 1
-        kv_reads = sum(r.num_tokens for r in self.running) + self.waiting[0].num_tokens
-        return self.step_cost.predict_tail(num_seqs, num_seqs, kv_reads) <= self._target_step_s()
+        """This step's token budget (step_budget.py: fixed, or sized to the ITL target)."""
+        return self.budget.tokens(self.running, self.waiting)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
@@ -173,7 +140,7 @@ class Scheduler:
             self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_reads)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
-        remaining = _num_pending(request)
+        remaining = request.num_tokens_to_schedule
         if request.num_output_placeholders and self._ends_in_flight(request):
             return 0
         if not self.config.enable_chunked_prefill and remaining > budget:
@@ -238,7 +205,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and self._batch_has_room()):
+               and self.budget.batch_has_room(self.running, self.waiting)):
             request = self.waiting[0]
             computed, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -345,11 +312,6 @@ class Scheduler:
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
-
-
-def _num_pending(request: Request) -> int:
-    """Tokens of the request still to schedule (a running decode: 1)."""
-    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
 
 def _commit_ahead(chunk: ScheduledChunk) -> None:
