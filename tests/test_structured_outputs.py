@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import llguidance
@@ -129,8 +130,21 @@ def test_logprobs_and_n_choices_under_a_grammar(engine: LLMEngine) -> None:
 
 def test_a_grammar_that_does_not_compile_in_time_fails_only_its_request(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir, grammar_compile_timeout_s=1e-9)
+    # The compile is held until the run ends: a small schema can compile (the tokenizer view cached by an
+    # earlier test) before the first step polls it, and then it did not time out (seen once in a CI run).
+    compiler, release = engine.grammar_compiler(), threading.Event()
+    compile_matcher = compiler._matcher
+
+    def slow_matcher(params):  # noqa: ANN001, ANN202 - the compiler's own signature
+        release.wait(30)
+        return compile_matcher(params)
+
+    compiler._matcher = slow_matcher
     plain = SamplingParams(max_tokens=8, temperature=0.0)
-    results = run(engine, [SamplingParams(max_tokens=8, structured=json_spec(SCHEMA_CASES[2].schema)), plain])
+    try:
+        results = run(engine, [SamplingParams(max_tokens=8, structured=json_spec(SCHEMA_CASES[2].schema)), plain])
+    finally:
+        release.set()
     assert results[0] == ("", "error", [])
     assert results[1][1] == "length"
 
