@@ -140,10 +140,15 @@ class LoadTracker:
         self._in_flight: dict[Hashable, int] = {}
 
     def observe_stats(self, replica: Hashable, stats: Mapping[str, Any] | None) -> None:
+        """New stats account for as many of our sends as requests they show beyond the last ones. A change alone
+        does not: a busy replica's stats change every period (its KV usage moves) before they count what was
+        just sent, and forgetting those sends piled a burst onto it (7 of 8 streams in a drill)."""
         stats = stats or {}
-        if self._last_stats.get(replica) != stats:
+        last = self._last_stats.get(replica)
+        if last != stats:
+            appeared = max(0, _num_requests(stats) - _num_requests(last or {}))
+            self._sent_since_stats[replica] = max(0, self._sent_since_stats.get(replica, 0) - appeared)
             self._last_stats[replica] = dict(stats)
-            self._sent_since_stats[replica] = 0
 
     def on_sent(self, replica: Hashable) -> None:
         self._sent_since_stats[replica] = self._sent_since_stats.get(replica, 0) + 1
@@ -169,6 +174,10 @@ class LoadTracker:
         for table in (self._last_stats, self._sent_since_stats, self._in_flight):
             for replica in [r for r in table if r not in keep]:
                 del table[replica]
+
+
+def _num_requests(stats: Mapping[str, Any]) -> int:
+    return int(stats.get("num_waiting", 0)) + int(stats.get("num_running", 0))
 
 
 def rank_replicas(

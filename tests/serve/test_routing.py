@@ -127,6 +127,20 @@ def test_stale_stats_are_compensated_by_in_flight_counts() -> None:
     assert tracker2.in_flight("b") == 0
 
 
+def test_a_burst_alternates_while_a_busy_replica_s_stats_keep_changing() -> None:
+    """A busy replica's stats change every period (KV usage) before they count what was just sent: that alone
+    must not make the router forget its sends (it did: 7 of a burst of 8 went to the busy replica)."""
+    tracker, order = LoadTracker(), []
+    for i in range(8):
+        snapshot = {"a": stats(running=1, kv=0.01 * (i + 1), max_seqs=2), "b": stats(max_seqs=2)}
+        order.append(rank(None, snapshot, PrefixIndex(), tracker, policy=RoutingPolicy(), seed=i)[0])
+        tracker.on_sent(order[-1])
+    assert Counter(order) == {"a": 4, "b": 4}, order
+    # Stats that show the sent requests do account for them.
+    tracker.observe_stats("a", stats(waiting=3, running=2, kv=0.5, max_seqs=2))
+    assert tracker.unseen("a") == 0
+
+
 def test_burst_sharing_a_prefix_sticks_before_any_is_routed() -> None:
     index, tracker = PrefixIndex(), LoadTracker()
     shared = text(5)
