@@ -223,8 +223,7 @@ class LLMEngine:
 
     def _can_schedule_ahead(self) -> bool:
         """No running request whose token in flight its next sampling reads (penalties, min_tokens, grammar)."""
-        return not any(r.num_output_placeholders and (r.grammar is not None or r.sampling_params.reads_output)
-                       for r in self.scheduler.running)
+        return not any(r.num_output_placeholders and r.reads_output for r in self.scheduler.running)
 
     def _launch(self, run: Callable[[SchedulerOutput], Any]) -> LaunchedStep:
         start = time.perf_counter()

@@ -83,18 +83,15 @@ class InputBatch:
     def prepare(self, chunks: list[ScheduledChunk], last_sampled: dict[str, int] | None = None) -> StepArrays:
         rows, starts, query_lens, seq_lens, token_ids, sampling = [], [], [], [], [], []
         max_blocks = 0
+        last_sampled = last_sampled or {}
         for i, chunk in enumerate(chunks):
             rows.append(self._row_for(chunk))
             max_blocks = max(max_blocks, len(chunk.block_ids))
             start, num = chunk.start, chunk.num_tokens
-            request = chunk.request
             starts.append(start)
             query_lens.append(num)
             seq_lens.append(start + num)
-            if last_sampled:
-                token_ids.extend(chunk_token_ids(chunk, last_sampled))
-            else:
-                token_ids.extend(request.token_slice(start, start + num))
+            token_ids.extend(chunk_token_ids(chunk, last_sampled))
             if chunk.samples:
                 sampling.append(i)
         rows_np = np.array(rows, dtype=np.int64)

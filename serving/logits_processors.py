@@ -25,11 +25,16 @@ from torch import Tensor
 from conveyor.serving.request import SamplingParams
 
 
+def edited_rows(params: list[SamplingParams]) -> list[int]:
+    """The rows whose request asks for a penalty, a bias or min_tokens."""
+    return [i for i, p in enumerate(params) if p.has_logits_edits]
+
+
 def edit_logits(logits: Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
                 output_ids: list[list[int]], eos_ids: list[int | None]) -> tuple[Tensor, Tensor | None]:
     """The step's logits with every row's edits, and the unedited logits where an edited row wants logprobs
     (vLLM reports raw ones), else None. Rows that ask for nothing leave `logits` as it is, uncopied."""
-    rows = [i for i, p in enumerate(params) if p.has_logits_edits]
+    rows = edited_rows(params)
     if not rows:
         return logits, None
     logits = logits.float().contiguous()
@@ -46,7 +51,7 @@ def apply_logits_edits(logits: Tensor, params: list[SamplingParams], prompt_ids:
     < vocab (the engine checks prompts and logit_bias at admission; a stop token id past the vocabulary can never
     be sampled, so it needs no mask)."""
     if rows is None:
-        rows = [i for i, p in enumerate(params) if p.has_logits_edits]
+        rows = edited_rows(params)
     if not rows:
         return
     vocab, device = logits.shape[-1], logits.device

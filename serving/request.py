@@ -90,8 +90,7 @@ class SamplingParams:
     @property
     def has_logits_edits(self) -> bool:
         """Whether a penalty, a bias or min_tokens may change this request's logits before sampling."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return self.reads_output or bool(self.logit_bias)
 
     @property
     def reads_output(self) -> bool:
@@ -160,8 +159,12 @@ class Request:
     @property
     def num_tokens_to_schedule(self) -> int:
         """Tokens not yet scheduled: a running decode has 1 (under async scheduling its input may be in flight)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders \
-            - self.num_computed_tokens
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling its next token reads the tokens it has output: a grammar, penalties, min_tokens."""
+        return self.grammar is not None or self.sampling_params.reads_output
 
     @property
     def num_output_tokens(self) -> int:

@@ -118,16 +118,16 @@ class Scheduler:
             block_ids = self._allocate_or_preempt(request, num_new, scheduled, out)
             if block_ids is None:
                 continue
-            chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
-            scheduled[request.request_id] = chunk
-            if self._ahead:
-                _commit_ahead(chunk)
+            scheduled[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
             budget -= num_new
         if not out.preempted_ids:
             held = self._hold_back_compiling(out)
             budget = self._admit_waiting(budget, scheduled)
             self.waiting.extendleft(reversed(held))
         out.chunks = list(scheduled.values())
+        if self._ahead:
+            for chunk in out.chunks:
+                _commit_ahead(chunk)
         return out
 
     def token_budget(self) -> int:
@@ -224,9 +224,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self.running.append(request)
-            chunk = scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
-            if self._ahead:
-                _commit_ahead(chunk)
+            scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new, block_ids)
             budget -= num_new
         return budget
 
@@ -266,10 +264,7 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.output_token_ids.append(sampled.token_id)
             updated.append(request)
-            if request.grammar is not None and not request.grammar.accept(sampled.token_id):
-                status = RequestStatus.FINISHED_ERROR  # cannot happen under its mask; never loop on a refusal
-            else:
-                status = self._stop_status(request, sampled.token_id)
+            status = self._status_after(request, sampled.token_id)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -280,15 +275,18 @@ class Scheduler:
             return []
         request.output_token_ids.append(sampled.token_id)
         self._num_waiting_tokens += 1  # it waits with one more token to recompute
-        if request.grammar is not None and not request.grammar.accept(sampled.token_id):
-            status = RequestStatus.FINISHED_ERROR
-        else:
-            status = self._stop_status(request, sampled.token_id)
+        status = self._status_after(request, sampled.token_id)
         if status is not None:
             self.waiting.remove(request)
             self._num_waiting_tokens -= request.num_tokens
             self._finish(request, status)
         return [request]
+
+    def _status_after(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The request's grammar takes the appended token; the status it ends with, or None to go on."""
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR  # cannot happen under its mask; never loop on a refusal
+        return self._stop_status(request, token_id)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

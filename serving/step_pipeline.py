@@ -80,9 +80,6 @@ class StepPipeline:
     def pop(self) -> LaunchedStep:
         return self.in_flight.popleft()
 
-    def shutdown(self) -> None:
-        self._worker.shutdown(wait=True)
-
 
 def _timed(execute: Callable[[SchedulerOutput], ModelRunnerOutput], sched: SchedulerOutput
            ) -> tuple[ModelRunnerOutput, float]:

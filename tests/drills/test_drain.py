@@ -66,9 +66,14 @@ def app_running() -> bool:
     return app is not None and app.status == "RUNNING"
 
 
-def ingress_counter(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
+def metric_sum(metrics_url: str, name: str) -> float:
+    """One metric family's value summed over its label sets, from a Prometheus text endpoint."""
+    text = httpx.get(metrics_url, timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def ingress_counter(base_url: str, name: str) -> float:
+    return metric_sum(base_url + "/metrics", name)
 
 
 def wait_both_routable(url: str, timeout_s: float = 30.0) -> None:
@@ -99,13 +104,9 @@ def load_until_both_busy(pool: ThreadPoolExecutor, url: str, num_requests: int, 
 
 def engine_gauges(url: str, name: str) -> dict[str, float]:
     """A gauge's value on each engine replica, read from the replicas' own metrics endpoints."""
-    values = {}
-    for target in httpx.get(url + "/metrics/targets", timeout=10).json():
-        if target["labels"].get("conveyor_role") == "engine":
-            text = httpx.get(f"http://{target['targets'][0]}/metrics", timeout=10).text
-            values[target["labels"]["replica"]] = sum(
-                float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
-    return values
+    return {target["labels"]["replica"]: metric_sum(f"http://{target['targets'][0]}/metrics", name)
+            for target in httpx.get(url + "/metrics/targets", timeout=10).json()
+            if target["labels"].get("conveyor_role") == "engine"}
 
 
 def queue_on_both(pool: ThreadPoolExecutor, url: str, max_tokens: int, max_extra: int = 8) -> list[Any]:
