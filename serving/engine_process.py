@@ -36,6 +36,7 @@ from conveyor.serving import grammar
 from conveyor.serving.async_engine import EngineLoad, _Stream, post_all
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
+from conveyor.serving.openmp_runtime import child_openmp_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
@@ -52,12 +53,15 @@ QUERY_TIMEOUT_S = 30.0
 # the client: a thread that spins at a barrier while its partner was preempted burns the core the preempting
 # process needs. A short spin gives it back: at saturation on 2 cores, 239 against 228 output tok/s and TTFT p50
 # 8.0 against 9.6 s (three interleaved runs each, benchmarks/RESULTS.md "Session 9"). A value already set wins.
+# It applies only where the child runs on GNU's runtime: Intel's, which it prefers (openmp_runtime.py), waits by
+# KMP_BLOCKTIME, and its default (200 ms) measured better there than 1 ms (RESULTS.md "Session 16").
 ENGINE_OMP_SPIN_COUNT = "10000"
 
 
 def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
     env = dict(parent)
     env.setdefault("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
+    env.update(child_openmp_env(parent))
     return env
 
 
@@ -84,6 +88,7 @@ class ProcessEngine:
         self._load: dict[str, Any] = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0,
                                       "max_queued_requests": 1, "expected_wait_s": 0.0}
         self.info = self._await_ready()
+        logger.info("engine process %d runs on %s OpenMP", self._process.pid, self.info.get("openmp_runtime"))
         self.config = config
         from transformers import AutoTokenizer  # the parent tokenizes: chat templates, default max_tokens
 

@@ -189,4 +189,11 @@ def test_the_engine_process_spins_briefly_at_barriers(engine):
     environ = open(f"/proc/{engine._process.pid}/environ", "rb").read().split(b"\0")
     expected = os.environ.get("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
     assert f"GOMP_SPINCOUNT={expected}".encode() in environ
-    assert engine_child_env({"GOMP_SPINCOUNT": "5", "A": "b"}) == {"GOMP_SPINCOUNT": "5", "A": "b"}
+    gnu = {"CONVEYOR_ENGINE_OPENMP": "gnu"}
+    assert engine_child_env({"GOMP_SPINCOUNT": "5", "A": "b"} | gnu) == {"GOMP_SPINCOUNT": "5", "A": "b"} | gnu
+
+
+def test_the_child_runs_on_intel_s_openmp_when_it_is_installed(engine):
+    from conveyor.serving.openmp_runtime import intel_openmp_library
+
+    assert engine.info["openmp_runtime"] == ("intel" if intel_openmp_library() else "gnu")
