@@ -123,7 +123,8 @@ def main() -> None:
     parser.add_argument("--workload", default="long-tail", help="long-tail, or fixed:IN:OUT (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both systems (bfloat16: fast only where the CPU has native bf16)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
                         help="Conveyor only (vLLM keeps its KV cache at --dtype)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, default=None)

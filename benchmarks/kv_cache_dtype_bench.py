@@ -1,4 +1,4 @@
-"""Decode attention from DRAM with a float32 and a bfloat16 KV cache (float32 queries), the CPU kernel.
+"""Decode attention from DRAM with a float32, a bfloat16 and fp8 KV caches (float32 queries), the CPU kernel.
 
 One decode step's attention over every layer of SmolLM2-135M (30 layers, 9 query heads : 3 KV heads, head_dim
 64, block 16 or --block-size), each layer with its own cache so nothing stays in the L3 as it would if one
@@ -17,6 +17,7 @@ import time
 import torch
 
 from conveyor.kernels import cpu_ext
+from conveyor.kernels.reference import to_cache_dtype
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
@@ -29,6 +30,9 @@ def bench(batch: int, context: int, reps: int, block: int = 16) -> dict[str, flo
     shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
     fp32 = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
     caches = {"float32": fp32, "bfloat16": [(k.bfloat16(), v.bfloat16()) for k, v in fp32]}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        dtype = getattr(torch, name)
+        caches[name] = [(to_cache_dtype(k, dtype), to_cache_dtype(v, dtype)) for k, v in fp32]
     query = torch.randn(batch, HEADS, HEAD_DIM)
     out = torch.empty_like(query)
 
@@ -64,9 +68,9 @@ def main() -> None:
             nbytes = LAYERS * 2 * batch * args.context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=getattr(
                 torch, name)).element_size()
             cells.append(f"{name} {seconds * 1e3:7.2f} ms ({nbytes / 1e6:5.0f} MB, {nbytes / seconds / 1e9:5.1f} GB/s)")
-        speedup = result["float32"] / result["bfloat16"]
+        speedups = "  ".join(f"{name} {result['float32'] / result[name]:.2f}x" for name in result if name != "float32")
         head = f"batch {batch:3d} x context {args.context}, block {args.block_size}: "
-        print(head + "  ".join(cells) + f"  bf16 cache {speedup:.2f}x")
+        print(head + "\n  ".join(cells) + f"\n  speed-up over float32: {speedups}")
 
 
 if __name__ == "__main__":

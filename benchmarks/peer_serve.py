@@ -253,7 +253,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="every target (bfloat16: fast only where the CPU has native bf16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
                    help="Conveyor's targets only (vLLM's server keeps its own KV cache at --dtype)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the servers' and inproc's requests (0: greedy; inproc_stream stays greedy)")

@@ -100,6 +100,14 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _fp8_backend(backend: str, cache_dtype: torch.dtype) -> str:
+    """Only the cpu and torch backends read an fp8 cache: the others send such steps to torch."""
+    if cache_dtype in reference.FP8_DTYPES and backend in ("cuda", "flash", "triton"):
+        _warn_once(f"{backend}: no {cache_dtype} KV cache reader; using torch")
+        return "torch"
+    return backend
+
+
 def _fallback_backend(device: torch.device) -> str:
     """Where cuda/flash send the steps they cannot run."""
     return "triton" if _triton_usable(device) else "torch"
@@ -110,6 +118,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     """cache[slot // block_size, slot % block_size] = key/value rows; slot < 0 skips the token."""
     if backend == "reference":
         return reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    backend = _fp8_backend(backend, key_cache.dtype)
     if backend == "cuda" and key.dtype != key_cache.dtype:  # the CUDA write copies rows, it does not convert
         backend = _fallback_backend(key.device)
     if backend == "cuda":
@@ -146,6 +155,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if backend == "reference":
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale)
+    backend = _fp8_backend(backend, key_cache.dtype)
     if backend == "cuda":
         out = _cuda_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_query_len,
                            max_seq_len)

@@ -7,6 +7,17 @@ from __future__ import annotations
 
 import torch
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV cache's dtype: round to nearest even; fp8 (no scales) saturates at its largest finite value
+    (torch's own conversion does so for e4m3fn, and gives inf for e5m2)."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -16,8 +27,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         slot = int(slot_mapping[t])
         if slot < 0:
             continue
-        key_cache[slot // block_size, slot % block_size] = key[t]
-        value_cache[slot // block_size, slot % block_size] = value[t]
+        key_cache[slot // block_size, slot % block_size] = to_cache_dtype(key[t], key_cache.dtype)
+        value_cache[slot // block_size, slot % block_size] = to_cache_dtype(value[t], value_cache.dtype)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -10,12 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels.reference import FP8_DTYPES, to_cache_dtype
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [T, KVH, D] into the caches at slot_mapping [T]; slot < 0 is a padding token. Rows
-    convert to the cache's dtype where it differs (a bf16 cache for an fp32 model)."""
-    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    convert to the cache's dtype where it differs (a bf16 or fp8 cache for an fp32 model)."""
+    key, value = to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, value_cache.dtype)
+    if key_cache.dtype in FP8_DTYPES:  # torch's CPU index_copy_ has no fp8 kernel: move the bytes
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     if slot_mapping.numel() and int(slot_mapping.min()) >= 0:
         # No padding (the usual case): index_copy_ is ~5x cheaper than boolean-mask indexing on CPU.
         key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)

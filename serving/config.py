@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# vLLM's kv_cache_dtype values we support: "auto" is the model's dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's kv_cache_dtype values we support: "auto" is the model's dtype; "fp8" is fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # The KV cache's element type (vLLM's --kv-cache-dtype): "auto" is the model's dtype. A float32 model with a
-    # bfloat16 cache halves the KV bytes: twice the blocks for the same budget, half the bytes decode reads.
+    # bfloat16 cache halves the KV bytes: twice the blocks for the same budget, half the bytes decode reads. An fp8
+    # cache (e4m3: 3 mantissa bits, largest 448; e5m2: 2 bits, largest 57344; no scales, writes saturate) quarters
+    # them, at a cost in accuracy that benchmarks/kv_cache_quality.py measures; cpu and torch attention only.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

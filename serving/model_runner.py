@@ -34,7 +34,7 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     with _no_numpy_hugepages():
-        raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+        raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
     return torch.from_numpy(raw).view(dtype)
 
 

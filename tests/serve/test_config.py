@@ -66,8 +66,9 @@ def test_kv_cache_dtype_reaches_the_engine_config(tmp_path: Path, monkeypatch: p
     assert typing.get_args(ServeArgs.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
     assert ServeArgs().engine_config().cache.kv_cache_dtype == "auto"
     assert ServeArgs(kv_cache_dtype="bfloat16").engine_config().cache.kv_cache_dtype == "bfloat16"
+    assert ServeArgs(kv_cache_dtype="fp8_e5m2").engine_config().cache.kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
-        ServeArgs(kv_cache_dtype="fp8")
+        ServeArgs(kv_cache_dtype="int8")
     parser = build_parser()
     args = parser.parse_args(["serve", "--kv-cache-dtype", "bfloat16", "--kv-cache-bytes", "1000000"])
     merged = serve_args_from(args, args.serve_parser)

@@ -16,9 +16,10 @@
 // Softmax: two-pass within a task. Scores of the task's positions go to a thread-local buffer; then max,
 // exp and sum over that buffer; then the probability-weighted V sum. All math is fp32.
 //
-// Dtypes: queries/out and the cache may differ (any of float32, bfloat16, float16 each): a bf16 cache for an fp32
-// model halves the bytes a decode step reads, and rows widen to fp32 in registers as they load (load_row). The
-// cache write converts rows where the model's dtype is not the cache's.
+// Dtypes: queries/out and the cache may differ (queries float32, bfloat16 or float16; the cache one of those or
+// fp8 e4m3fn / e5m2): a bf16 cache for an fp32 model halves the bytes a decode step reads, an fp8 cache quarters
+// them, and rows widen to fp32 in registers as they load (load_row). The cache write converts rows where the
+// model's dtype is not the cache's (fp8 saturates at its largest finite value).
 //
 // Vectorization: at::vec::Vectorized<float>; cpu_ext.py defines CPU_CAPABILITY to match torch's, so it is
 // AVX-512 (16 floats) or AVX2 (8) where torch uses those, and the portable fallback elsewhere. Scores of a tile
@@ -68,11 +69,14 @@ inline Vec vec_max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); 
 constexpr int64_t kTile = 16;
 
 // kVec cache elements at p as fp32: float rows load as they are, bf16/fp16 rows widen in registers (a bf16 is
-// the top half of a float), so a half-size cache costs a shift or a convert per vector and no scratch copy.
+// the top half of a float), so a half-size cache costs a shift or a convert per vector and no scratch copy; fp8
+// rows widen through fp16 (float_rows.h).
 template <typename TC>
 inline Vec load_row(const TC* p) {
   if constexpr (std::is_same_v<TC, float>) {
     return Vec::loadu(p);
+  } else if constexpr (conveyor_cpu::is_fp8_v<TC>) {
+    return conveyor_cpu::load_fp8(p);
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -588,9 +592,10 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
               " and value_cache ", value_cache.sizes(), " differ in shape");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have query's dtype ", query.scalar_type(),
               ", got ", out.scalar_type());
-  TORCH_CHECK(is_attention_dtype(key_cache.scalar_type()) && value_cache.scalar_type() == key_cache.scalar_type(),
-              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16, got ",
-              key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  TORCH_CHECK(conveyor_cpu::is_cache_dtype(key_cache.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache and value_cache must share one dtype of float32, bfloat16, float16, float8_e4m3fn or "
+              "float8_e5m2, got ", key_cache.scalar_type(), " and ", value_cache.scalar_type());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be a contiguous int32 [batch, max_blocks] tensor");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
@@ -615,16 +620,17 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
   g.group = g.heads / g.kv_heads;
   if (g.batch == 0) return;
   const std::vector<int64_t> lens = checked_lens(block_tables, seq_lens, g);
-  // The cache may be narrower than the queries (a bf16 cache for an fp32 model): any pair of the three dtypes.
+  // The cache may be narrower than the queries (a bf16 or fp8 cache for an fp32 model): any pair.
   conveyor_cpu::with_attention_dtype(query.scalar_type(), [&](auto q_tag) {
-    conveyor_cpu::with_attention_dtype(key_cache.scalar_type(), [&](auto c_tag) {
+    conveyor_cpu::with_cache_dtype(key_cache.scalar_type(), [&](auto c_tag) {
       paged_decode_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
           out, query, key_cache, value_cache, block_tables, lens, scale, g);
     });
   });
 }
 
-// write_kv_cache's rows from TS into a TC cache, element by element (c10's conversions round to nearest even).
+// write_kv_cache's rows from TS into a TC cache, element by element (c10's conversions round to nearest even;
+// fp8 saturates, conveyor_cpu::to_cache).
 template <typename TS, typename TC>
 void write_converted(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                      const int64_t* slot_ptr, int64_t tokens, int64_t row) {
@@ -636,12 +642,8 @@ void write_converted(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot_ptr[t] < 0) continue;
-      TC* k_row = k_dst + slot_ptr[t] * row;
-      TC* v_row = v_dst + slot_ptr[t] * row;
-      for (int64_t i = 0; i < row; ++i) {
-        k_row[i] = static_cast<TC>(static_cast<float>(k_src[t * k_stride + i]));
-        v_row[i] = static_cast<TC>(static_cast<float>(v_src[t * v_stride + i]));
-      }
+      conveyor_cpu::convert_row(k_src + t * k_stride, k_dst + slot_ptr[t] * row, row);
+      conveyor_cpu::convert_row(v_src + t * v_stride, v_dst + slot_ptr[t] * row, row);
     }
   });
 }
@@ -668,8 +670,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
                 t->scalar_type());
   }
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must share a dtype");
-  TORCH_CHECK(is_attention_dtype(key_cache.scalar_type()) && value_cache.scalar_type() == key_cache.scalar_type(),
-              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16");
+  TORCH_CHECK(conveyor_cpu::is_cache_dtype(key_cache.scalar_type()) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache and value_cache must share one dtype of float32, bfloat16, float16, float8_e4m3fn or "
+              "float8_e5m2");
   const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slot_ptr[t] < slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is past the cache (", slots,
@@ -678,7 +682,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   if (key.scalar_type() != key_cache.scalar_type()) {
     // A cache narrower (or wider) than the model: each row converts on the way in (round to nearest even).
     return conveyor_cpu::with_attention_dtype(key.scalar_type(), [&](auto src_tag) {
-      conveyor_cpu::with_attention_dtype(key_cache.scalar_type(), [&](auto dst_tag) {
+      conveyor_cpu::with_cache_dtype(key_cache.scalar_type(), [&](auto dst_tag) {
         write_converted<typename decltype(src_tag)::type, typename decltype(dst_tag)::type>(
             key, value, key_cache, value_cache, slot_ptr, tokens, row);
       });

@@ -190,7 +190,13 @@ void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_ca
       const int64_t row = (static_cast<int64_t>(table[p / g.block_size]) * g.block_size + p % g.block_size) *
                               g.row_stride() + task.kv_head * d;
       const TC* krow = key_cache + row;
-      for (int64_t k = 0; k < d; ++k) sc.kt[k * kKeys + j] = static_cast<float>(krow[k]);
+      if constexpr (conveyor_cpu::is_fp8_v<TC>) {  // widen a vector at a time (in V's slot), then transpose
+        float* widened = sc.v.data() + j * d;
+        to_float(krow, widened, d);
+        for (int64_t k = 0; k < d; ++k) sc.kt[k * kKeys + j] = widened[k];
+      } else {
+        for (int64_t k = 0; k < d; ++k) sc.kt[k * kKeys + j] = static_cast<float>(krow[k]);
+      }
       to_float(value_cache + row, sc.v.data() + j * d, d);
     }
     int64_t r = 0;
@@ -270,8 +276,9 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
               "dtype must be float32, bfloat16 or float16, got ", t);
   TORCH_CHECK(out.scalar_type() == t, "out must have query's dtype ", t);
   const at::ScalarType tc = key_cache.scalar_type();
-  TORCH_CHECK((tc == at::kFloat || tc == at::kBFloat16 || tc == at::kHalf) && value_cache.scalar_type() == tc,
-              "key_cache and value_cache must share one dtype of float32, bfloat16 or float16");
+  TORCH_CHECK(conveyor_cpu::is_cache_dtype(tc) && value_cache.scalar_type() == tc,
+              "key_cache and value_cache must share one dtype of float32, bfloat16, float16, float8_e4m3fn or "
+              "float8_e5m2");
   for (const at::Tensor* x : {&block_tables, &seq_lens, &query_starts, &query_lens}) {
     TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kInt && x->is_contiguous(),
                 "block_tables, seq_lens, query_starts and query_lens must be contiguous int32 CPU tensors");
@@ -305,7 +312,7 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
   if (chunks.empty()) return;
   // The cache may be narrower than the queries (a bf16 cache for an fp32 model); tiles are packed as fp32 anyway.
   conveyor_cpu::with_attention_dtype(t, [&](auto q_tag) {
-    conveyor_cpu::with_attention_dtype(tc, [&](auto c_tag) {
+    conveyor_cpu::with_cache_dtype(tc, [&](auto c_tag) {
       prefill_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
           out, query, key_cache, value_cache, block_tables, chunks, scale, g);
     });
