@@ -27,7 +27,8 @@ from benchmarks.proc_cpu import cpu_by_role, snapshot  # noqa: E402
 def measure(name: str, env_pairs: list[str], seconds: float, model: str) -> dict:
     port = free_port()
     before = set(snapshot())
-    proc = start_conveyor(argparse.Namespace(conveyor_env=env_pairs, conveyor_arg=[], dtype="float32"), port)
+    proc = start_conveyor(argparse.Namespace(conveyor_env=env_pairs, conveyor_arg=[], dtype="float32",
+                                              kv_cache_dtype="auto"), port)
     try:
         wait_ready(f"http://127.0.0.1:{port}", model, proc, timeout_s=300)
         time.sleep(5.0)  # start-up work (compiles, first health checks) is not the steady background
