@@ -113,9 +113,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ray import serve
 
     from conveyor.router.app import ServeArgs, build_app
+    from conveyor.serving.openmp_runtime import child_openmp_env
 
     settings = serve_args_from(args, parser)
     cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
+    try:
+        child_openmp_env(os.environ)  # as the replica will read it: a bad CONVEYOR_ENGINE_OPENMP fails here
+    except ValueError as exc:
+        parser.error(str(exc))
     if "num_cpus" not in settings and _single_cpu_replica(cfg):
         # Ray sets a replica's OMP_NUM_THREADS to its num_cpus: the default 1 would leave the other cores idle.
         cfg = cfg.model_copy(update={"num_cpus": float(os.cpu_count() or 1)})

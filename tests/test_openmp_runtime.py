@@ -48,3 +48,15 @@ def test_the_child_env_carries_the_choice_and_keeps_the_parent_s(installed):
     env = engine_child_env({"PATH": "/bin", "LD_PRELOAD": "/x/libjemalloc.so"})
     assert env["PATH"] == "/bin" and env["LD_PRELOAD"] == f"{FAKE_IOMP}:/x/libjemalloc.so"
     assert "LD_PRELOAD" not in engine_child_env({OPENMP_ENV: "gnu"})
+
+
+def test_conveyor_serve_refuses_a_bad_choice_before_ray_starts():
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {OPENMP_ENV: "llvm"}
+    done = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "CONVEYOR_ENGINE_OPENMP='llvm': expected one of auto, intel, gnu" in done.stderr
