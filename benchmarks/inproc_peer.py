@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
@@ -123,8 +125,7 @@ def main() -> None:
     parser.add_argument("--workload", default="long-tail", help="long-tail, or fixed:IN:OUT (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both systems (bfloat16: fast only where the CPU has native bf16)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="Conveyor only (vLLM keeps its KV cache at --dtype)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, default=None)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
@@ -253,7 +255,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="every target (bfloat16: fast only where the CPU has native bf16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="Conveyor's targets only (vLLM's server keeps its own KV cache at --dtype)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the servers' and inproc's requests (0: greedy; inproc_stream stays greedy)")

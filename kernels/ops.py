@@ -100,9 +100,13 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+# The backends with a reader for an fp8 KV cache (triton's kernels and CUDA's have none).
+FP8_CACHE_BACKENDS = ("cpu", "torch")
+
+
 def _fp8_backend(backend: str, cache_dtype: torch.dtype) -> str:
-    """Only the cpu and torch backends read an fp8 cache: the others send such steps to torch."""
-    if cache_dtype in reference.FP8_DTYPES and backend in ("cuda", "flash", "triton"):
+    """Backends outside FP8_CACHE_BACKENDS send a step over an fp8 cache to torch."""
+    if cache_dtype in reference.FP8_DTYPES and backend not in FP8_CACHE_BACKENDS:
         _warn_once(f"{backend}: no {cache_dtype} KV cache reader; using torch")
         return "torch"
     return backend

@@ -47,7 +47,6 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 # Attention backends whose kernels need the KV cache in the query's dtype (the others convert on write and read).
 SAME_DTYPE_KV_BACKENDS = ("cuda", "flash")
-FP8_KV_BACKENDS = ("cpu", "torch")  # the kernels that read an fp8 cache (triton's interpreter and CUDA do not)
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -59,9 +58,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attent
     """CacheConfig.kv_cache_dtype -> the cache's torch dtype ("auto": the model's); ValueError where the resolved
     attention backend cannot hold the cache in a dtype other than the model's."""
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        if attention_backend not in FP8_KV_BACKENDS:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the {' or '.join(FP8_KV_BACKENDS)} attention "
-                             f"backend, not {attention_backend!r} (set attention_backend, or another kv_cache_dtype)")
+        if attention_backend not in ops.FP8_CACHE_BACKENDS:
+            readers = " or ".join(ops.FP8_CACHE_BACKENDS)
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the {readers} attention backend, not "
+                             f"{attention_backend!r} (set attention_backend, or another kv_cache_dtype)")
         return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
     kv_dtype = model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
     if kv_dtype != model_dtype and attention_backend in SAME_DTYPE_KV_BACKENDS:

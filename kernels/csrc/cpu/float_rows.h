@@ -33,39 +33,23 @@ inline constexpr float kFp8Max = std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f :
 // e4m3 byte's exponent and mantissa bits land in an fp16's as they are; with the exponent bias 7 against 15 that
 // fp16 is 2^-8 times the fp8's value, subnormals included, so the result is scaled by 256. An e4m3 NaN byte would
 // read as 480: the cache never holds one, because writes saturate.
-#if defined(CPU_CAPABILITY_AVX512)
-template <typename T>
-inline __m512 fp8x16_to_float(const T* p) {
-  __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-    return _mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
-  } else {
-    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                        _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
-  }
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-template <typename T>
-inline __m256 fp8x8_to_float(const T* p) {
-  __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-    return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
-  } else {
-    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
-                     _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-  }
-}
-#endif
-
+//
 // Vec::size() fp8 elements at p as fp32 (the portable build converts one at a time).
 template <typename T>
 inline at::vec::Vectorized<float> load_fp8(const T* p) {
+  [[maybe_unused]] constexpr bool e5m2 = std::is_same_v<T, c10::Float8_e5m2>;
 #if defined(CPU_CAPABILITY_AVX512)
-  return fp8x16_to_float(p);
+  __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (e5m2) return _mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
+  h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                      _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 #elif defined(CPU_CAPABILITY_AVX2)
-  return fp8x8_to_float(p);
+  __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (e5m2) return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
+  h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                   _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 #else
   float tmp[at::vec::Vectorized<float>::size()];
   for (int64_t i = 0; i < at::vec::Vectorized<float>::size(); ++i) tmp[i] = static_cast<float>(p[i]);
@@ -89,7 +73,7 @@ inline TC to_cache(float x) {
 // lowest bit is odd, which makes ties go to even) and rebiases the exponent; a subnormal one is the value in
 // units of the smallest subnormal, which the conversion to int rounds to nearest even (MXCSR's default).
 template <typename TC>
-inline __m128i float16_to_fp8(__m512 x) {
+inline __m128i fp8x16_from_floats(__m512 x) {
   constexpr bool e4m3 = std::is_same_v<TC, c10::Float8_e4m3fn>;
   constexpr int kDropped = e4m3 ? 20 : 21;                  // fp32 mantissa bits that fp8 drops
   constexpr int kRebias = e4m3 ? (120 << 3) : (112 << 2);   // (127 - bias) << mantissa bits
@@ -116,7 +100,7 @@ inline void convert_row(const TS* src, TC* dst, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (is_fp8_v<TC> && std::is_same_v<TS, float>) {
     for (; i + 16 <= n; i += 16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), float16_to_fp8<TC>(_mm512_loadu_ps(src + i)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), fp8x16_from_floats<TC>(_mm512_loadu_ps(src + i)));
     }
   }
 #endif
