@@ -30,7 +30,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="schedule each step while the one before runs (vLLM's option; off by default)")
     parser.add_argument("--gguf-max-rows", type=int, default=None,
                         help="CPU, model from a GGUF: steps of at most this many tokens read its quantized blocks "
-                             "(0: always the fp32 weights; default: 64 with AVX-512, else 8)")
+                             "(0: always the fp32 weights; default: 64 with AVX-512 or AVX2, else 8)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily

@@ -23,11 +23,13 @@ TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 def default_max_rows() -> int:
     """The largest step (in tokens) that reads the GGUF quants rather than the packed fp32 weights, by SIMD level.
-    AVX-512 (AMD EPYC Zen 5, 2 threads, SmolLM2's linears): the interleaved kernel beats oneDNN's packed fp32 up to
-    ~128 rows (64: 34 against 39 ms; 128 equal; 256 fp32 ahead), and a batch-64 decode step takes 40.5 against
-    49.4 ms (RESULTS.md, "Session 11"). AVX2: 8, the crossover measured with the earlier kernel on the AVX2-only CPU
-    of earlier sessions; the interleaved kernel was not timed on one."""
-    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+    The interleaved kernel beats oneDNN's packed fp32 on SmolLM2's linears up to ~64 rows on both CPUs measured:
+    - AVX-512 (AMD EPYC Zen 5, 2 threads): equal at 128, fp32 ahead at 256; a batch-64 decode step 40.5 against
+      49.4 ms (RESULTS.md, "Session 11");
+    - AVX2 (AMD EPYC Zen 3, 2 threads): decode steps at batch 16 / 32 / 64 take 96-100 / 182-206 / 369-372 ms
+      against 166-177 / 226-228 / 369-409 ms with 8 (RESULTS.md, "Session 17"; was 8, set before this kernel).
+    Without AVX2 the portable kernel runs: 8."""
+    return 64 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2") else 8
 
 
 def is_available() -> bool:

@@ -55,7 +55,7 @@ class ServeArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA: of total device memory (vLLM semantics)
     enable_cuda_graphs: bool = True  # CUDA only: replay captured graphs for decode steps
     gguf_max_rows: int | None = Field(None, ge=0)  # CPU, GGUF model: steps this small read the quantized blocks;
-    # 0 off, None by the CPU (64 with AVX-512, else 8)
+    # 0 off, None by the CPU (64 with AVX-512 or AVX2, else 8)
     grammar_compile_timeout_s: float = Field(30.0, gt=0)  # structured outputs: a slower compile fails its request
     # health: a replica whose engine has work but completed no step for this long fails its health check (Serve
     # replaces it after 3 failed checks, health_check_period_s apart)

@@ -103,10 +103,10 @@ def test_smollm2_blocks_dequantize_to_its_fp32_weights_exactly():
 
 
 def test_default_threshold_follows_the_cpu(quantized_dir, monkeypatch):
-    """gguf_max_rows unset: 64 rows where the kernels run AVX-512, 8 elsewhere."""
+    """gguf_max_rows unset: 64 rows where the kernels run AVX-512 or AVX2, 8 on the portable build."""
     llm = LLM(str(quantized_dir), num_kv_blocks=64)
     assert llm.engine.gguf_max_rows == gguf.default_max_rows()
     assert llm.engine.model.model.layers[0].self_attn.qkv_proj.max_rows == gguf.default_max_rows()
-    for capability, rows in (("AVX512", 64), ("AVX2", 8), ("DEFAULT", 8)):
+    for capability, rows in (("AVX512", 64), ("AVX2", 64), ("DEFAULT", 8)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert gguf.default_max_rows() == rows
