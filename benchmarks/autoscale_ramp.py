@@ -144,6 +144,10 @@ class ReplicaWatcher:
     def running(self) -> int:
         return self.timeline.replicas[-1][1] if self.timeline.replicas else 0
 
+    def total(self) -> int:
+        """Replicas in any state: the policy's target as Serve acts on it, starting ones included."""
+        return self.timeline.replicas[-1][2] if self.timeline.replicas else 0
+
     def _run(self) -> None:
         from ray import serve
 
