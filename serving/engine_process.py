@@ -65,6 +65,26 @@ def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _load_tokenizer_in_background(model: str) -> Future:
+    """The model's tokenizer, loaded on a daemon thread while the child builds the engine. Where the model still
+    has to be fetched or converted, the file lock in serving/models/hub.py makes this thread and the child do it
+    once. A failure stays in the Future: the child reports the same one, and that is what the replica raises."""
+    result: Future = Future()
+
+    def run() -> None:
+        try:
+            from transformers import AutoTokenizer
+
+            from conveyor.serving.models.loader import resolve_model_path
+
+            result.set_result(AutoTokenizer.from_pretrained(resolve_model_path(model)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised only if the child built fine
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="conveyor-tokenizer-load", daemon=True).start()
+    return result
+
+
 class ProcessEngine:
     def __init__(self, config: EngineConfig, torch_num_threads: int | None = None) -> None:
         # A fresh interpreter on one end of a socket pair: fork would copy the parent's threads' locks mid-use,
@@ -87,12 +107,13 @@ class ProcessEngine:
         self._num_adds_applied = 0
         self._load: dict[str, Any] = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0,
                                       "max_queued_requests": 1, "expected_wait_s": 0.0}
+        # The parent tokenizes (chat templates, default max_tokens). Loading the tokenizer, transformers' import
+        # included, takes 2-4 s on 2 cores: it runs while the child builds, not after it.
+        tokenizer = _load_tokenizer_in_background(config.model.model)
         self.info = self._await_ready()
         logger.info("engine process %d runs on %s OpenMP", self._process.pid, self.info.get("openmp_runtime"))
         self.config = config
-        from transformers import AutoTokenizer  # the parent tokenizes: chat templates, default max_tokens
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.info["model_path"])
+        self.tokenizer = tokenizer.result()
         self._processor = OutputProcessor(self.tokenizer)
         self._reader = threading.Thread(target=self._read, name="conveyor-engine-reader", daemon=True)
         self._reader.start()
