@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
@@ -116,6 +114,15 @@ def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_se
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def kv_cache_dtype_choices() -> tuple[str, ...] | None:
+    """serving.config's choices; None in vLLM's venv, where this file runs as the worker without conveyor."""
+    try:
+        from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
+    except ModuleNotFoundError:
+        return None
+    return KV_CACHE_DTYPES
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="conveyor,vllm")
@@ -125,7 +132,7 @@ def main() -> None:
     parser.add_argument("--workload", default="long-tail", help="long-tail, or fixed:IN:OUT (tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both systems (bfloat16: fast only where the CPU has native bf16)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=kv_cache_dtype_choices(),
                         help="Conveyor only (vLLM keeps its KV cache at --dtype)")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     parser.add_argument("--json", type=Path, default=None)
