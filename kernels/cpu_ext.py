@@ -23,8 +23,9 @@ _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
            _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp",
            _CSRC / "sampling_cpu.cpp"]
-# torch's own SIMD level; the kernel's at::vec::Vectorized is compiled for the same one (see _flags).
-_VEC_CAPABILITIES = ("AVX512", "AVX2")
+# torch's SIMD levels the kernels are compiled with vectors for (at::vec::Vectorized, see _flags); below them
+# the portable loops run.
+VEC_CAPABILITIES = ("AVX512", "AVX2")
 
 
 def build_dir() -> pathlib.Path:
@@ -74,7 +75,7 @@ def _flags() -> list[str]:
     # ATen's Vectorized picks its SIMD width from CPU_CAPABILITY macros that only ATen's own build sets; match
     # torch's runtime choice so the kernel gets real AVX-512/AVX2 vectors rather than the portable fallback.
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability in _VEC_CAPABILITIES:
+    if capability in VEC_CAPABILITIES:
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     # torch rebuilds when the sources or flags change, not when a header they include does: fold the headers in.
     headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:12]

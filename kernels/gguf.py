@@ -29,7 +29,7 @@ def default_max_rows() -> int:
     - AVX2 (AMD EPYC Zen 3, 2 threads): decode steps at batch 16 / 32 / 64 take 96-100 / 182-206 / 369-372 ms
       against 166-177 / 226-228 / 369-409 ms with 8 (RESULTS.md, "Session 17"; was 8, set before this kernel).
     Without AVX2 the portable kernel runs: 8."""
-    return 64 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2") else 8
+    return 64 if torch.backends.cpu.get_cpu_capability() in cpu_ext.VEC_CAPABILITIES else 8
 
 
 def is_available() -> bool:

@@ -89,11 +89,9 @@ class _Core:
         self.num_adds_applied = 0
 
     def info(self) -> dict[str, Any]:
-        from conveyor.serving.models.loader import resolve_model_path
         from conveyor.serving.openmp_runtime import loaded_openmp_runtime
 
-        return {"model_path": str(resolve_model_path(self.engine.config.model.model)),
-                "openmp_runtime": loaded_openmp_runtime(),
+        return {"openmp_runtime": loaded_openmp_runtime(),
                 "max_model_len": self.engine.max_model_len, "max_tokens_ever": self.engine.kv_cache.max_tokens_ever()}
 
     def load(self) -> dict[str, Any]:
