@@ -84,17 +84,12 @@ class EngineReplica:
                  latency_window_s: float = 60.0, model_name: str | None = None,
                  engine_process: bool = True, engine_stall_timeout_s: float = 120.0,
                  test_hooks: bool = False) -> None:
-        # torch and the model load here (or in the engine's child process), not when the driver imports us.
-        from conveyor.serving.async_engine import AsyncEngine
-        from conveyor.serving.engine_process import ProcessEngine
+        from conveyor.serving.priority import raised_priority
 
-        self.config = engine_config
-        engine_cls = ProcessEngine if engine_process else AsyncEngine
-        self.engine = engine_cls.from_config(engine_config, torch_num_threads)
-        self._tokenizer = self.engine.tokenizer
-        from conveyor.serving.models.loader import generation_defaults, resolve_model_path
-
-        self._generation_defaults = generation_defaults(resolve_model_path(engine_config.model.model))
+        # A replica that starts beside busy engines (scale-out, rolling update, a replaced replica) would get a
+        # sliver of the CPU at Ray's niceness: its start-up runs at the engine's (serving/priority.py).
+        with raised_priority():
+            self._start_engine(engine_config, torch_num_threads, engine_process)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
         self._ttft = LatencyWindow(latency_window_s)
@@ -115,6 +110,20 @@ class EngineReplica:
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
         self._muxes = MuxHub()
         self._num_batches = self._num_muxed_records = 0  # evidence for tests: records per subscription message
+
+    def _start_engine(self, engine_config: EngineConfig, torch_num_threads: int | None,
+                      engine_process: bool) -> None:
+        # torch and the model load here (or in the engine's child process), not when the driver imports us.
+        if engine_process:
+            from conveyor.serving.engine_process import ProcessEngine as engine_cls
+        else:
+            from conveyor.serving.async_engine import AsyncEngine as engine_cls
+        from conveyor.serving.models.loader import generation_defaults, resolve_model_path
+
+        self.config = engine_config
+        self.engine = engine_cls.from_config(engine_config, torch_num_threads)
+        self._tokenizer = self.engine.tokenizer
+        self._generation_defaults = generation_defaults(resolve_model_path(engine_config.model.model))
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:

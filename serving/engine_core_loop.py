@@ -3,7 +3,6 @@ parent's commands until the pipe closes. Runs in a spawned process; nothing here
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
@@ -11,45 +10,25 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.priority import engine_niceness_setting, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle engine blocks on the pipe; this only bounds how long a dead parent goes unseen
-# Ray starts its workers (our replica, and so this child) at nice 15, like its proxy, controller and helpers. The
-# engine's OpenMP team has a thread per core: whenever any of those processes takes a core, the whole team waits at
-# its next barrier. At a better priority than theirs the team keeps its cores and the path catches up between
-# steps (records coalesce, router/replica.py). CONVEYOR_ENGINE_NICE="" leaves the inherited niceness.
-DEFAULT_ENGINE_NICE = 0
 
 
 def main() -> None:
     """`python -m conveyor.serving.engine_core_loop FD`: FD is this process's end of the parent's socket pair."""
     conn = Connection(int(sys.argv[1]))
-    set_engine_priority(os.environ.get("CONVEYOR_ENGINE_NICE", str(DEFAULT_ENGINE_NICE)))
+    # Before any thread exists: threads start at their creator's niceness (serving/priority.py says why).
+    set_engine_priority(engine_niceness_setting())
     try:
         kind, config, torch_num_threads = conn.recv()
     except EOFError:
         return
     if kind == "start":
         run_engine_core(conn, config, torch_num_threads)
-
-
-def set_engine_priority(setting: str) -> int:
-    """Lower this process's niceness to `setting` before any thread exists (Linux niceness is per thread, and
-    threads inherit it): needs CAP_SYS_NICE (root has it); without it the engine keeps its niceness, logged."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if not setting.strip():
-        return current
-    target = int(setting)
-    if target == current:
-        return current
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, target)
-    except PermissionError:
-        logger.warning("engine process stays at nice %d: lowering it to %d needs CAP_SYS_NICE", current, target)
-        return current
-    return target
 
 
 def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: int | None) -> None:

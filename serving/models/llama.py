@@ -47,7 +47,9 @@ def rope_inv_freq(config) -> Tensor:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
     dim = _head_dim(config)
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even inside a meta-device build: meta arithmetic runs torch's Python references, which import
+    # torch._dynamo (~2 s of a replica's start on 2 cores).
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":
@@ -87,7 +89,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self) -> tuple[Tensor, Tensor]:
         inv_freq = rope_inv_freq(self.config)
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         return freqs.cos(), freqs.sin()
 
     @torch.no_grad()
@@ -216,7 +218,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         # The "cpu" attention backend means our C++ CPU extension is built: its fused norm and rope come along.
         self.fused = backend == "cpu" and cpu_fused.is_available()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, nn.Embedding skips its random init: on the meta device that init imports torch._dynamo
+        # (2 s of a replica's start on 2 cores), for values the checkpoint overwrites anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, backend, self.fused)
                                     for _ in range(config.num_hidden_layers))

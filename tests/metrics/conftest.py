@@ -1,5 +1,4 @@
-"""Live fixtures for the metrics tests: the Ray/Serve cluster (shared with tests/serve when both run in one
-session) and a real Prometheus server on loopback."""
+"""Live fixtures for the metrics tests: the session's Ray/Serve cluster and a real Prometheus server on loopback."""
 from __future__ import annotations
 
 import os
@@ -7,7 +6,6 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +13,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
-from tests.serve.conftest import attached_or_new_serve, deploy, wait_until  # noqa: E402,F401 - re-exported
+from tests.serve.conftest import deploy, wait_until  # noqa: E402,F401 - re-exported
 
 
 def free_port() -> int:
@@ -24,11 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="package")
-def metrics_cluster() -> Iterator[str]:
-    """The Serve proxy's base URL: tests/serve's if it runs, else one for this package only."""
-    with attached_or_new_serve() as url:
-        yield url
+@pytest.fixture(scope="session")
+def metrics_cluster(serve_cluster: str) -> str:
+    """The session's Serve proxy (tests/conftest.py)."""
+    return serve_cluster
 
 
 class Prometheus:

@@ -1,4 +1,5 @@
-"""One Ray cluster and one Serve HTTP proxy for the whole tests/serve suite (ray.init costs ~10 s here).
+"""Helpers for the tests that deploy to Ray Serve; `serve_cluster` (tests/conftest.py) is one Ray cluster and one
+Serve HTTP proxy for the whole session.
 
 Each test module deploys its own application under its own route prefix with `deploy(...)` and deletes it
 afterwards. Every wait has its own deadline, so a deployment that cannot be placed fails instead of hanging.
@@ -11,8 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-
-import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
@@ -41,9 +40,7 @@ def _running_serve_port() -> int | None:
 @contextmanager
 def attached_or_new_serve() -> Iterator[str]:
     """Yield the base URL of the Serve proxy: the running one if there is one (left alone afterwards), else a
-    new Ray + Serve on a free port, shut down on exit. The Ray test packages (serve, metrics, drills) each
-    hold one for their whole run, so whichever runs first never leaves a Serve on a port the next one doesn't
-    know."""
+    new Ray + Serve on a free port, shut down on exit."""
     port = _running_serve_port()
     if port is not None:
         yield f"http://127.0.0.1:{port}"
@@ -60,13 +57,6 @@ def attached_or_new_serve() -> Iterator[str]:
         serve.shutdown()
         if started:
             ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def serve_cluster() -> Iterator[str]:
-    """Start Ray + Serve once; yield the proxy's base URL (http://127.0.0.1:PORT)."""
-    with attached_or_new_serve() as url:
-        yield url
 
 
 def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:

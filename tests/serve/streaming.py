@@ -21,12 +21,14 @@ class StreamResult:
     finish_reason: str | None = None
     error: dict | None = None
     done: bool = False
+    closed_early: bool = False  # the client hung up (close_when) before the stream ended
     events: list[str] = field(default_factory=list)
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int,
                       on_first_chunk: Callable[[str], None] | None = None,
-                      timeout_s: float = 90.0) -> StreamResult:
+                      timeout_s: float = 90.0, close_when: threading.Event | None = None) -> StreamResult:
+    """close_when: once it is set the client hangs up at its next chunk, as a client that has seen enough."""
     result = StreamResult()
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -37,6 +39,9 @@ def stream_completion(url: str, prompt: str, max_tokens: int,
             result.error = resp.json().get("error")
             return result
         for line in resp.iter_lines():
+            if close_when is not None and close_when.is_set() and not result.done:
+                result.closed_early = True
+                return result
             if not line.startswith("data: "):
                 continue
             data = line[len("data: "):]

@@ -178,7 +178,7 @@ def test_engine_priority_setting(raise_by: int | None) -> None:
     setting = "" if raise_by is None else str(current + raise_by)  # raising needs no privilege
     expected = current + (raise_by or 0)
     # In a child process: a niceness once raised cannot be lowered again without privileges.
-    code = ("import os; from conveyor.serving.engine_core_loop import set_engine_priority as s; "
+    code = ("import os; from conveyor.serving.priority import set_engine_priority as s; "
             f"r = s({setting!r}); print(r, os.getpriority(os.PRIO_PROCESS, 0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(expected), str(expected)]

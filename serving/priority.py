@@ -1,0 +1,92 @@
+"""CPU priority (Linux niceness) of the engine process and of a starting replica.
+
+Ray starts its workers (our replicas, their engine's child process, and Ray's proxy, controller and helpers) at
+nice 15. The engine's OpenMP team has a thread per core: whenever one of those processes takes a core, the whole
+team waits at its next barrier, so the engine process lowers its niceness to 0 (CONVEYOR_ENGINE_NICE; "" leaves
+the inherited niceness). A replica that starts on a node whose engines are busy then gets ~1/28 of a core against
+each of them: its imports and tokenizer load took 30-60 s on 2 busy cores instead of ~8 s. It therefore runs its
+start-up at the engine's niceness and returns to Ray's for serving (`raised_priority`).
+
+Linux niceness is per thread, and a new thread starts at its creator's niceness. Lowering it needs CAP_SYS_NICE
+(root has it); without it everything stays at Ray's niceness, logged once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_NICE = 0
+
+
+def engine_niceness_setting() -> str:
+    """CONVEYOR_ENGINE_NICE as set (default "0"); "" means: keep the niceness Ray gave."""
+    return os.environ.get("CONVEYOR_ENGINE_NICE", str(DEFAULT_ENGINE_NICE))
+
+
+def set_engine_priority(setting: str) -> int:
+    """Lower this process's niceness to `setting` before any thread exists (threads inherit it); return the
+    niceness it runs at. Without CAP_SYS_NICE the engine keeps its niceness, logged."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if not setting.strip():
+        return current
+    target = int(setting)
+    if target == current:
+        return current
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, target)
+    except PermissionError:
+        logger.warning("engine process stays at nice %d: lowering it to %d needs CAP_SYS_NICE", current, target)
+        return current
+    return target
+
+
+@contextmanager
+def raised_priority(setting: str | None = None) -> Iterator[int]:
+    """Run the calling thread, and every thread it starts meanwhile, at the engine's niceness (setting, default
+    CONVEYOR_ENGINE_NICE); on exit put the calling thread and those threads back at the niceness it had. Yields
+    the niceness the block ran at. Only a lower niceness is applied: a block never runs slower than without."""
+    setting = engine_niceness_setting() if setting is None else setting
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    target = int(setting) if setting.strip() else before
+    # Elsewhere niceness is per process (macOS) and /proc/self/task does not exist: left alone there.
+    if not sys.platform.startswith("linux") or target >= before or not _try_set(tid, target):
+        yield before
+        return
+    existing = _thread_ids()
+    try:
+        yield target
+    finally:
+        for other in (_thread_ids() - existing) | {tid}:
+            # Only the block's own threads: Ray's threads keep whatever they run at.
+            if _niceness(other) == target:
+                _try_set(other, before)
+
+
+def _try_set(tid: int, niceness: int) -> bool:
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        return True
+    except PermissionError:
+        logger.info("replica start-up stays at nice %d: lowering it needs CAP_SYS_NICE", os.getpriority(
+            os.PRIO_PROCESS, tid))
+        return False
+    except ProcessLookupError:  # the thread ended meanwhile
+        return False
+
+
+def _niceness(tid: int) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
+
+
+def _thread_ids() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/task")}
