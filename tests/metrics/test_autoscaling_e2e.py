@@ -44,8 +44,9 @@ def test_scales_out_under_load_and_back_to_min(base_url: str) -> None:
         assert watcher.running() == 1
         tl.mark("step")
         load.concurrency = 12  # 12 clients vs 2 running per replica: ~10 waiting, target 2 per replica
-        # The policy's decision (a second replica asked for) must come fast; the replica itself starts at Ray's
-        # worker priority (nice 15) next to a busy engine, which took 58 s on a loaded 2-core Zen 3 (session 17).
+        # The policy's decision (a second replica asked for) must come fast; the replica's start is paced by the
+        # machine: at Ray's worker priority (nice 15) beside a busy engine it took 58 s on a 2-core Zen 3 (session
+        # 17); it now starts at the engine's niceness (serving/priority.py), and 180 s stays a bound, not a target.
         wait_for(lambda: watcher.total() >= 2, 60, "a second replica asked for under load")
         tl.mark("scale-out decided")
         wait_for(lambda: watcher.running() >= 2, 180, "the second replica running")
