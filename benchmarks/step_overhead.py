@@ -4,7 +4,8 @@ Per decode step (median over steps where every running request decodes) it print
 input preparation, the forward (logits included), sampling, the core's update (appending tokens, token-level
 records), and apart from the core step, output processing (detokenizing, stop strings, RequestOutputs), which
 `conveyor serve` runs in the replica process while the engine process computes the next step. "host" is the core
-step's host work: everything but the forward. The model is so small that the host work shows apart from the model;
+step's host work in the phases it times: everything but the forward. "wall" times the core step from outside, so
+"w-fwd" (wall minus the forward) also counts the bookkeeping between the phases that none of them times. The model is so small that the host work shows apart from the model;
 it is the part of a step that stays the same on a GPU, where it is what leaves the device idle between steps.
 
     .venv/bin/python benchmarks/step_overhead.py                       # batch 1, 64, 256; greedy and top-p
@@ -40,16 +41,22 @@ def measure(model_dir: str, batch_size: int, sampled: bool, num_steps: int, prom
     for i in range(batch_size):
         prompt = [3 + (i * 7 + j) % 300 for j in range(prompt_len)]
         engine.add_request(engine.make_request(prompt, params))
-    steps = []
+    steps, walls = [], []
     start = time.perf_counter()
     while engine.has_unfinished():
+        step_start = time.perf_counter()
         _, stats = engine.step()
+        # The core step's wall time as a caller sees it: the phases plus whatever bookkeeping none of them times.
+        wall = time.perf_counter() - step_start - stats.timings.process_s
         if stats.num_prefill_tokens == 0 and stats.batch_size == batch_size:
             steps.append(stats)
+            walls.append(wall)
     elapsed = time.perf_counter() - start
-    steps = steps[2:]  # the first decode steps still warm allocator caches
+    steps, walls = steps[2:], walls[2:]  # the first decode steps still warm allocator caches
     row = {"batch_size": batch_size, "sampling": "top-p" if sampled else "greedy", "num_steps": len(steps),
-           "step_ms": 1e3 * statistics.median(s.step_time_s for s in steps)}
+           "step_ms": 1e3 * statistics.median(s.step_time_s for s in steps),
+           "wall_ms": 1e3 * statistics.median(walls),
+           "wall_host_ms": 1e3 * statistics.median(w - s.timings.forward_s for w, s in zip(walls, steps, strict=True))}
     for phase in PHASES:
         row[phase.removesuffix("_s") + "_ms"] = 1e3 * statistics.median(getattr(s.timings, phase) for s in steps)
     row["host_ms"] = 1e3 * statistics.median(s.timings.host_s for s in steps)
@@ -72,7 +79,8 @@ def main() -> None:
         model_dir = str(build_tiny_llama(Path(tempfile.mkdtemp(prefix="step-overhead-")), num_hidden_layers=1))
     rows = []
     header = f"{'batch':>5} {'sampling':>8} {'step':>7} {'sched':>6} {'prep':>6} {'fwd':>6} {'sample':>6} " \
-             f"{'update':>6} {'host':>6} | {'detok':>6}  (ms, median per decode step; detok: output processing)"
+             f"{'update':>6} {'host':>6} | {'wall':>7} {'w-fwd':>6} | {'detok':>6}  (ms, median per decode step; " \
+             "wall: the core step timed by its caller, w-fwd: all of its host work; detok: output processing)"
     print(header)
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for sampled in (False, True):
@@ -80,7 +88,8 @@ def main() -> None:
             rows.append(r)
             print(f"{r['batch_size']:>5} {r['sampling']:>8} {r['step_ms']:7.3f} {r['schedule_ms']:6.3f} "
                   f"{r['prepare_ms']:6.3f} {r['forward_ms']:6.3f} {r['sample_ms']:6.3f} {r['output_ms']:6.3f} "
-                  f"{r['host_ms']:6.3f} | {r['process_ms']:6.3f}", flush=True)
+                  f"{r['host_ms']:6.3f} | {r['wall_ms']:7.3f} {r['wall_host_ms']:6.3f} | {r['process_ms']:6.3f}",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps({"model": args.model or "tiny-1-layer", "rows": rows}, indent=1))
 

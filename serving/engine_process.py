@@ -73,11 +73,9 @@ def _load_tokenizer_in_background(model: str) -> Future:
 
     def run() -> None:
         try:
-            from transformers import AutoTokenizer
+            from conveyor.serving.models.loader import load_tokenizer, resolve_model_path
 
-            from conveyor.serving.models.loader import resolve_model_path
-
-            result.set_result(AutoTokenizer.from_pretrained(resolve_model_path(model)))
+            result.set_result(load_tokenizer(resolve_model_path(model)))
         except BaseException as exc:  # noqa: BLE001 - re-raised only if the child built fine
             result.set_exception(exc)
 

@@ -299,3 +299,22 @@ def test_bfloat16_on_cpu_matches_transformers(tiny, backend):
         (logits,) = h.step([(seq, 1)])
         expected = hf_logits(hf, seq.tokens[:seq.computed])[-1:]
         torch.testing.assert_close(logits, expected, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_qwen_dir"])
+def test_load_tokenizer_is_what_auto_tokenizer_loads(model: str, request) -> None:
+    """The replica's tokenizer (no model config class imported) is AutoTokenizer's, class and ids alike."""
+    from transformers import AutoTokenizer
+
+    from conveyor.serving.models.loader import load_tokenizer
+
+    path = request.getfixturevalue(model)
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == \
+        (auto.eos_token_id, auto.bos_token_id, auto.all_special_ids)
+    for text in ("Hello, my name is", "<|im_start|>user\nhi<|im_end|>", "héllo wörld 日本語 🙂", "  a\tb\n\n"):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
