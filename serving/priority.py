@@ -4,11 +4,12 @@ Ray starts its workers (our replicas, their engine's child process, and Ray's pr
 nice 15. The engine's OpenMP team has a thread per core: whenever one of those processes takes a core, the whole
 team waits at its next barrier, so the engine process lowers its niceness to 0 (CONVEYOR_ENGINE_NICE; "" leaves
 the inherited niceness). A replica that starts on a node whose engines are busy then gets ~1/28 of a core against
-each of them: its imports and tokenizer load took 30-60 s on 2 busy cores instead of ~8 s. It therefore runs its
-start-up at the engine's niceness and returns to Ray's for serving (`raised_priority`).
+each of them: on 2 cores beside two busy tiny-model engines its start took 28-36 s, against 19 s at their
+priority. It therefore runs its start-up at the engine's niceness and returns to Ray's for serving
+(`raised_priority`).
 
 Linux niceness is per thread, and a new thread starts at its creator's niceness. Lowering it needs CAP_SYS_NICE
-(root has it); without it everything stays at Ray's niceness, logged once.
+(root has it); without it everything stays at Ray's niceness, logged.
 """
 from __future__ import annotations
 
