@@ -89,13 +89,16 @@ def build_model(config, dtype: torch.dtype, device: torch.device,
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The model's tokenizer, as AutoTokenizer picks it, without the model's config class: AutoTokenizer reads only
-    `model_type` and `tokenizer_class` of the config, and a plain PreTrainedConfig from config.json carries both,
-    where AutoConfig imports the model's config module and with it torch.distributed.tensor and sympy (~2 s of CPU
+    `model_type`, `tokenizer_class` and the name of the config, and a plain PreTrainedConfig from config.json carries
+    them, where AutoConfig imports the model's config module and with it torch.distributed.tensor and sympy (~2 s of CPU
     in a replica's start on 2 cores). The same class and the same ids result (SmolLM2, tiny Llama and Qwen2)."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
     config_file = Path(path) / "config.json"
-    config = PreTrainedConfig.from_dict(json.loads(config_file.read_text())) if config_file.is_file() else None
+    if not config_file.is_file():
+        return AutoTokenizer.from_pretrained(path)
+    config = PreTrainedConfig.from_dict(json.loads(config_file.read_text()))
+    config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
     return AutoTokenizer.from_pretrained(path, config=config)
 
 
