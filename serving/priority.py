@@ -33,18 +33,11 @@ def engine_niceness_setting() -> str:
 def set_engine_priority(setting: str) -> int:
     """Lower this process's niceness to `setting` before any thread exists (threads inherit it); return the
     niceness it runs at. Without CAP_SYS_NICE the engine keeps its niceness, logged."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if not setting.strip():
+    tid = threading.get_native_id()
+    current = os.getpriority(os.PRIO_PROCESS, tid)
+    if not setting.strip() or int(setting) == current:
         return current
-    target = int(setting)
-    if target == current:
-        return current
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, target)
-    except PermissionError:
-        logger.warning("engine process stays at nice %d: lowering it to %d needs CAP_SYS_NICE", current, target)
-        return current
-    return target
+    return int(setting) if _try_set(tid, int(setting), "engine process") else current
 
 
 @contextmanager
@@ -57,7 +50,7 @@ def raised_priority(setting: str | None = None) -> Iterator[int]:
     before = os.getpriority(os.PRIO_PROCESS, tid)
     target = int(setting) if setting.strip() else before
     # Elsewhere niceness is per process (macOS) and /proc/self/task does not exist: left alone there.
-    if not sys.platform.startswith("linux") or target >= before or not _try_set(tid, target):
+    if not sys.platform.startswith("linux") or target >= before or not _try_set(tid, target, "replica start-up"):
         yield before
         return
     existing = _thread_ids()
@@ -67,16 +60,16 @@ def raised_priority(setting: str | None = None) -> Iterator[int]:
         for other in (_thread_ids() - existing) | {tid}:
             # Only the block's own threads: Ray's threads keep whatever they run at.
             if _niceness(other) == target:
-                _try_set(other, before)
+                _try_set(other, before, "replica thread")
 
 
-def _try_set(tid: int, niceness: int) -> bool:
+def _try_set(tid: int, niceness: int, what: str) -> bool:
     try:
         os.setpriority(os.PRIO_PROCESS, tid, niceness)
         return True
     except PermissionError:
-        logger.info("replica start-up stays at nice %d: lowering it needs CAP_SYS_NICE", os.getpriority(
-            os.PRIO_PROCESS, tid))
+        logger.warning("%s stays at nice %d: lowering it to %d needs CAP_SYS_NICE", what,
+                       os.getpriority(os.PRIO_PROCESS, tid), niceness)
         return False
     except ProcessLookupError:  # the thread ended meanwhile
         return False

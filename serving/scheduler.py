@@ -137,9 +137,9 @@ class Scheduler:
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
             self._mean_step_s += 0.1 * (seconds - self._mean_step_s)
-            # Only the tail-latency mode reads the fit: without it, its least squares (and the KV-read count over
-            # every chunk) were host work in every step for nothing (~0.1 ms at batch 64 on a 2-core Zen 3).
-            if self.config.itl_slo_ms is not None:
+            # Without a reader the fit (least squares, a KV-read count over every chunk) was host work in every
+            # step for nothing (~0.1 ms at batch 64 on a 2-core Zen 3).
+            if self.budget.reads_step_cost:
                 self.step_cost.observe(sched.num_scheduled_tokens, len(sched.chunks), seconds, sched.num_kv_reads)
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:

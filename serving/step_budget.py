@@ -18,6 +18,11 @@ class StepBudget:
         self.config = config
         self.step_cost = step_cost
 
+    @property
+    def reads_step_cost(self) -> bool:
+        """Only the tail-latency mode sizes steps from the step-cost model; otherwise nobody needs it fitted."""
+        return self.config.itl_slo_ms is not None
+
     def tokens(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
         """This step's token budget: fixed, or in tail-latency mode what the step-cost model says fits the
         ITL target. Running decodes always fit (starving a stream would hurt its latency more), and pending

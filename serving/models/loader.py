@@ -87,25 +87,25 @@ def build_model(config, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, config: PretrainedConfig | None = None) -> PreTrainedTokenizerBase:
     """The model's tokenizer, as AutoTokenizer picks it, without the model's config class: AutoTokenizer reads only
     `model_type`, `tokenizer_class` and the name of the config, and a plain PreTrainedConfig from config.json carries
     them, where AutoConfig imports the model's config module and with it torch.distributed.tensor and sympy (~2 s of CPU
-    in a replica's start on 2 cores). The same class and the same ids result (SmolLM2, tiny Llama and Qwen2)."""
+    in a replica's start on 2 cores). The same class and the same ids result (SmolLM2, tiny Llama and Qwen2).
+    config: the model's config where the caller has it already (not read again)."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
     config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return AutoTokenizer.from_pretrained(path)
-    config = PreTrainedConfig.from_dict(json.loads(config_file.read_text()))
-    config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
+    if config is None and config_file.is_file():
+        config = PreTrainedConfig.from_dict(json.loads(config_file.read_text()))
+        config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
     return AutoTokenizer.from_pretrained(path, config=config)
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
                ) -> tuple[LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
     """Resolve, build, stream the weights in; the model is in eval mode with gradients off."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     start = time.perf_counter()
     path = resolve_model_path(model)
@@ -122,6 +122,6 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
     net.source_dir = path  # where optional extras (a GGUF's quantized blocks) are found
-    tokenizer = AutoTokenizer.from_pretrained(path, config=config)  # the config just read: not parsed twice
+    tokenizer = load_tokenizer(path, config)
     log(f"loaded {path.name} ({config.model_type}, {dtype}, {device}) in {time.perf_counter() - start:.2f}s")
     return net, config, tokenizer
