@@ -20,8 +20,8 @@ from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
-from conveyor.serving.output_processor import CoreOutput, OutputProcessor
-from conveyor.serving.outputs import EngineStepStats, RequestOutput, SampledToken, SchedulerOutput
+from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
+from conveyor.serving.outputs import EngineStepStats, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
 from conveyor.serving.scheduler import Scheduler
 from conveyor.serving.static_scheduler import StaticScheduler
@@ -214,7 +214,7 @@ class LLMEngine:
         stats.timings.process_s = time.perf_counter() - start
         return outputs, stats
 
-    def core_step(self) -> tuple[list[CoreOutput], EngineStepStats]:
+    def core_step(self) -> tuple[CoreOutputs, EngineStepStats]:
         """Schedule, run the model, sample, append: token ids out, no text (see output_processor.py). Under async
         scheduling the step whose outputs this returns was scheduled the call before, and the next one is
         already running when it returns (step_pipeline.py)."""
@@ -242,17 +242,14 @@ class LLMEngine:
         return LaunchedStep(sched, start, schedule_s, self.kv_cache.num_prefix_queries - queries,
                             self.kv_cache.num_prefix_hits - hits, run(sched))
 
-    def _finish(self, step: LaunchedStep) -> tuple[list[CoreOutput], EngineStepStats]:
+    def _finish(self, step: LaunchedStep) -> tuple[CoreOutputs, EngineStepStats]:
         runner_out, execute_s = step.wait()
         executed = time.perf_counter()
         sched = step.sched
         # Classify chunks before update() appends the sampled tokens and moves the requests on.
         num_prefill = sum(c.num_tokens for c in sched.chunks if c.is_prefill)
         updated = self.scheduler.update(sched, runner_out)
-        now = time.monotonic()
-        sampled = runner_out.sampled
-        outputs = [self._core_output(request, sampled[request.request_id], now) for request in updated]
-        outputs += [self._core_output(request, None, now) for request in sched.failed]
+        outputs = self._core_outputs(updated, sched.failed, runner_out)
         timings = runner_out.timings
         timings.schedule_s = step.schedule_s
         timings.output_s = time.perf_counter() - executed
@@ -279,11 +276,26 @@ class LLMEngine:
             pending[0].wait(timeout_s)
 
     @staticmethod
-    def _core_output(request: Request, sampled: SampledToken | None, now: float) -> CoreOutput:
-        if request.first_token_time is None:
-            request.first_token_time = now
-        with_logprobs = sampled is not None and request.sampling_params.logprobs is not None
-        return CoreOutput(
-            request.request_id, None if sampled is None else sampled.token_id, request.status.finish_reason,
-            sampled if with_logprobs else None, len(request.prompt_token_ids),
-            request.num_cached_tokens, request.arrival_time, request.first_scheduled_time, request.first_token_time)
+    def _core_outputs(updated: list[Request], failed: list[Request], runner_out: ModelRunnerOutput) -> CoreOutputs:
+        """The step's outputs as columns: a token per updated request, none for the failed; finish reasons,
+        logprobs and RequestTimes only on the rows that have them."""
+        request_ids = [r.request_id for r in updated]
+        sampled = runner_out.sampled
+        token_ids: list[int | None] = [sampled[rid] for rid in request_ids]
+        out = CoreOutputs(request_ids, token_ids)
+        if failed:
+            request_ids += [r.request_id for r in failed]
+            token_ids += [None] * len(failed)
+            updated = updated + failed
+        if runner_out.logprobs:
+            out.logprobs = {row: runner_out.logprobs[rid] for row, rid in enumerate(request_ids)
+                            if rid in runner_out.logprobs}
+        now, running = time.monotonic(), RequestStatus.RUNNING
+        for row, request in enumerate(updated):
+            if request.status is not running and (reason := request.status.finish_reason) is not None:
+                out.finish_reasons[row] = reason
+            if request.first_token_time is None:
+                request.first_token_time = now
+                out.times[row] = RequestTimes(len(request.prompt_token_ids), request.num_cached_tokens,
+                                              request.arrival_time, request.first_scheduled_time, now)
+        return out

@@ -11,7 +11,7 @@ Wire protocol (one socket pair wrapped in multiprocessing Connections, pickled t
                    ("add", request_id, prompt, params) | ("abort", request_id) | ("query", query_id, name)
   child -> parent  ("ready", info) | ("build_error", text) | ("step", core_outputs, stats, load)
                    | ("load", load) | ("reject", request_id, kind, message, retry_after_s) | ("reply", id, value)
-The child steps the engine core only (CoreOutput: token ids). The parent tokenizes prompts and turns token ids
+The child steps the engine core only (CoreOutputs: token ids). The parent tokenizes prompts and turns token ids
 into text (output_processor.py) while the child computes the next step: neither is on the step's critical path.
 A stop string is found here, so the parent aborts that request in the child, which may have computed one more
 token for it by then (dropped).

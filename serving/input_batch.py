@@ -81,39 +81,52 @@ class InputBatch:
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def prepare(self, chunks: list[ScheduledChunk], last_sampled: dict[str, int] | None = None) -> StepArrays:
-        rows, starts, query_lens, seq_lens, token_ids, sampling = [], [], [], [], [], []
-        max_blocks = 0
         last_sampled = last_sampled or {}
-        for i, chunk in enumerate(chunks):
-            rows.append(self._row_for(chunk))
-            max_blocks = max(max_blocks, len(chunk.block_ids))
+        rows_of, held = self.rows, self.num_blocks
+        rows, starts, query_lens, token_ids = [], [], [], []
+        max_blocks = 0
+        # One pass over the chunks with nothing but list appends in the common case (a decode whose row holds its
+        # table): at batch 256 this loop is most of a step's input preparation.
+        for chunk in chunks:
+            request = chunk.request
+            num_ids = len(chunk.block_ids)
+            row = rows_of.get(request.request_id)
+            if row is None or held[row] != num_ids:
+                row = self._row_for(chunk)
+            rows.append(row)
+            if num_ids > max_blocks:
+                max_blocks = num_ids
             start, num = chunk.start, chunk.num_tokens
             starts.append(start)
             query_lens.append(num)
-            seq_lens.append(start + num)
-            token_ids.extend(chunk_token_ids(chunk, last_sampled))
-            if chunk.samples:
-                sampling.append(i)
+            output_index = start - len(request.prompt_token_ids)
+            if num == 1 and 0 <= output_index < len(request.output_token_ids):
+                token_ids.append(request.output_token_ids[output_index])  # a decode whose input is appended
+            else:
+                token_ids.extend(chunk_token_ids(chunk, last_sampled))
+        num_chunks, num_tokens = len(chunks), len(token_ids)
         rows_np = np.array(rows, dtype=np.int64)
         starts_np = np.array(starts, dtype=np.int64)
         query_lens_np = np.array(query_lens, dtype=np.int64)
-        query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int32)
+        seq_lens = (starts_np + query_lens_np).astype(np.int32)
+        query_start_loc = np.zeros(num_chunks + 1, dtype=np.int32)
         np.cumsum(query_lens_np, out=query_start_loc[1:])
-        num_tokens = len(token_ids)
-        if num_tokens == len(chunks):  # all decodes (or 1-token chunks): one token per row
+        if num_tokens == num_chunks:  # all decodes (or 1-token chunks): one token per row
             positions, token_rows = starts_np, rows_np
         else:
-            seq_index = np.repeat(np.arange(len(chunks)), query_lens_np)
+            seq_index = np.repeat(np.arange(num_chunks), query_lens_np)
             positions = starts_np[seq_index] + (np.arange(num_tokens) - query_start_loc[:-1][seq_index])
             token_rows = rows_np[seq_index]
         block_of_token = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.samples]
+        last_rows = query_start_loc[1:].astype(np.int64) - 1
         return StepArrays(
             token_ids=np.array(token_ids, dtype=np.int64), positions=positions,
             slot_mapping=block_of_token * self.block_size + positions % self.block_size,
-            block_tables=self.block_table[rows_np, :max_blocks], seq_lens=np.array(seq_lens, dtype=np.int32),
+            block_tables=self.block_table[rows_np, :max_blocks], seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            logits_indices=query_start_loc[1:][sampling].astype(np.int64) - 1,
-            query_lens=query_lens, seq_lens_list=seq_lens)
+            logits_indices=last_rows if len(sampling) == num_chunks else last_rows[sampling],
+            query_lens=query_lens, seq_lens_list=seq_lens.tolist())
 
     def check_invariants(self, block_ids_of: dict[str, list[int]], pending_release: set[str] = frozenset()) -> None:
         """Every row belongs to a request given here (or one that ended and is released with the next step) and

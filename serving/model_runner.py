@@ -14,9 +14,9 @@ from conveyor.serving.cuda_graphs import DecodeGraphs, capture_sizes, graph_unsa
 from conveyor.serving.input_batch import InputBatch
 from conveyor.serving.kv_cache_manager import cdiv
 from conveyor.serving.logits_processors import edit_logits
-from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput, StepTimings
-from conveyor.serving.request import SamplingParams
-from conveyor.serving.sampler import Sampler, make_generator
+from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput, StepTimings
+from conveyor.serving.request import Request, SamplingParams
+from conveyor.serving.sampler import Sampler, argmax, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -116,49 +116,52 @@ class ModelRunner:
             return ModelRunnerOutput()
         timings = StepTimings()
         start = time.perf_counter()
+        requests = [c.request for c in sched.chunks if c.samples]  # the rows that sample, in order
         hidden = self.decode_graphs.run(sched.chunks, last_sampled) if self.decode_graphs is not None else None
         if hidden is not None:  # one row per chunk, in order (graph replay: preparing and running are one)
-            rows = [i for i, c in enumerate(sched.chunks) if c.samples]
-            logits_indices = (slice(None) if len(rows) == len(sched.chunks)
-                              else torch.tensor(rows, dtype=torch.int64).to(self.device))
+            logits_indices = (slice(None) if len(requests) == len(sched.chunks) else torch.tensor(
+                [i for i, c in enumerate(sched.chunks) if c.samples], dtype=torch.int64).to(self.device))
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(sched)
             timings.prepare_s = time.perf_counter() - start
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampling_chunks = [c for c in sched.chunks if c.samples]
-        if sampling_chunks:
+        if requests:
             logits = self.model.compute_logits(hidden[logits_indices])
         forward_end = time.perf_counter()
         timings.forward_s = forward_end - start - timings.prepare_s
-        if not sampling_chunks:
+        if not requests:
             return ModelRunnerOutput(timings=timings)
-        self._apply_grammars(logits, sampling_chunks)
-        params = [c.request.sampling_params for c in sampling_chunks]
-        logits, raw_logits = edit_logits(logits, params, [c.request.prompt_token_ids for c in sampling_chunks],
-                                         [c.request.output_token_ids for c in sampling_chunks],
-                                         [c.request.eos_token_id for c in sampling_chunks])
-        generators = [self._generator_for(c.request.request_id, c.request.sampling_params.seed)
-                      for c in sampling_chunks]
-        sampled = self.sampler(logits, params, generators, raw_logits)
-        out = {c.request.request_id: s for c, s in zip(sampling_chunks, sampled, strict=True)}
-        for rid, token in out.items():
-            last_sampled[rid] = token.token_id
+        request_ids = [r.request_id for r in requests]
+        if all([r.argmax_only for r in requests]):
+            token_ids, with_logprobs = argmax(logits.float()).tolist(), {}
+        else:
+            token_ids, with_logprobs = self._sample(logits, requests)
+        last_sampled.update(zip(request_ids, token_ids, strict=True))
         timings.sample_s = time.perf_counter() - forward_end
-        return ModelRunnerOutput(out, timings)
+        return ModelRunnerOutput(dict(zip(request_ids, token_ids, strict=True)),
+                                 {request_ids[row]: s for row, s in with_logprobs.items()}, timings)
 
-    def _apply_grammars(self, logits: torch.Tensor, chunks: list) -> None:
-        rows = [i for i, c in enumerate(chunks) if c.request.grammar is not None]
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], dict[int, SampledToken]]:
+        """Grammars' masks, logits edits, then the sampler, for a step where some row asks for more than argmax."""
+        self._apply_grammars(logits, requests)
+        params = [r.sampling_params for r in requests]
+        logits, raw_logits = edit_logits(logits, params, [r.prompt_token_ids for r in requests],
+                                         [r.output_token_ids for r in requests], [r.eos_token_id for r in requests])
+        generators = [None if (seed := r.sampling_params.seed) is None else self._generator_for(r.request_id, seed)
+                      for r in requests]
+        return self.sampler.sample(logits, params, generators, raw_logits)
+
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return
         if self.grammar_bitmask is None:
             from conveyor.serving.grammar_bitmask import GrammarBitmask  # llguidance: only once a grammar runs
 
             self.grammar_bitmask = GrammarBitmask(logits.shape[-1])
-        self.grammar_bitmask.apply(logits, rows, [chunks[i].request.grammar.matcher for i in rows])
+        self.grammar_bitmask.apply(logits, rows, [requests[i].grammar.matcher for i in rows])
 
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
+    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:
             gen = self._generators[request_id] = make_generator(seed, self.device)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from conveyor.serving.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: tokens [start, start + num_tokens) of its prompt+output."""
 
@@ -23,9 +23,11 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         request = self.request
-        end, num_tokens = self.start + self.num_tokens, request.num_tokens + request.num_output_placeholders
+        num_prompt = len(request.prompt_token_ids)
+        end = self.start + self.num_tokens
+        num_tokens = num_prompt + len(request.output_token_ids) + request.num_output_placeholders
         self.samples = end == num_tokens
-        self.is_prefill = end < num_tokens or self.start < len(request.prompt_token_ids)
+        self.is_prefill = end < num_tokens or self.start < num_prompt
 
     @property
     def end(self) -> int:
@@ -86,7 +88,9 @@ class StepTimings:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> the token id it sampled
+    # The sampled tokens with their logprobs, for the requests that asked.
+    logprobs: dict[str, SampledToken] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -87,18 +88,19 @@ class SamplingParams:
             if token_id < 0 or not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {token_id}: {value}")
 
-    @property
+    # Cached (the params are frozen): the sampler reads these for every row of every step.
+    @functools.cached_property
     def has_logits_edits(self) -> bool:
         """Whether a penalty, a bias or min_tokens may change this request's logits before sampling."""
         return self.reads_output or bool(self.logit_bias)
 
-    @property
+    @functools.cached_property
     def reads_output(self) -> bool:
         """Whether sampling this request's next token reads the tokens it has output (penalties, min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.min_tokens)
 
-    @property
+    @functools.cached_property
     def greedy(self) -> bool:
         # Below this, dividing float32 logits by the temperature overflows to inf/NaN; it is argmax anyway.
         return self.temperature < MIN_SAMPLING_TEMPERATURE
@@ -147,6 +149,14 @@ class Request:
     first_token_time: float | None = None
     # Structured outputs: a serving.grammar.RequestGrammar (compiled off the step, then one matcher per request).
     grammar: Any = None
+    # Its next token is its logits' argmax and nothing more: greedy, no edits, no grammar, no logprobs. Set once
+    # (the params are frozen), so a step of such requests samples with one argmax and no per-row checks.
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.argmax_only = (params.greedy and params.logprobs is None and not params.has_logits_edits
+                            and params.structured is None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -40,21 +40,28 @@ class Sampler:
 
     def __call__(self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                  logprob_logits: Tensor | None = None) -> list[SampledToken]:
-        """Sample one token per row of `logits` [N, vocab]; params[i] and generators[i] belong to row i.
-        Logprobs come from `logprob_logits` where given (the logits before penalties and bias, as vLLM's default
-        raw logprobs are), else from `logits`."""
+        """sample() as one SampledToken per row."""
+        token_ids, with_logprobs = self.sample(logits, params, generators, logprob_logits)
+        return [with_logprobs.get(row) or SampledToken(token_id) for row, token_id in enumerate(token_ids)]
+
+    def sample(self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               logprob_logits: Tensor | None = None) -> tuple[list[int], dict[int, SampledToken]]:
+        """Sample one token per row of `logits` [N, vocab]; params[i] and generators[i] belong to row i. Returns
+        the token ids, and for the rows that ask for logprobs their SampledToken. Logprobs come from
+        `logprob_logits` where given (the logits before penalties and bias, as vLLM's default raw logprobs are),
+        else from `logits`."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, "
                              f"{len(generators)} generators")
         if not params:
-            return []
+            return [], {}
         logits = logits.float()
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sample_rows) == len(params):
             tokens = self._sample(logits, params, generators)
         else:
             # Greedy rows (and the all-greedy fast path) need only an argmax: no softmax, no sort.
-            tokens = _argmax(logits)
+            tokens = argmax(logits)
             if sample_rows:
                 rows = torch.tensor(sample_rows, device=logits.device)
                 tokens[rows] = self._sample(logits.index_select(0, rows),
@@ -78,11 +85,10 @@ class Sampler:
         """Draw one token per row; every row here has temperature > 0. Never mutates `logits`."""
         device, vocab = logits.device, logits.shape[-1]
         if device.type == "cpu" and _cpu_kernel():
-            return cpu_ext.sample_rows(
-                logits, torch.tensor([p.temperature for p in params]),
-                torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
-                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]),
-                self._uniforms(len(params), generators, device))
+            temperature, top_p, min_p = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params]).t()
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+            return cpu_ext.sample_rows(logits, temperature.contiguous(), top_k, top_p.contiguous(), min_p.contiguous(),
+                                       self._uniforms(len(params), generators, device))
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits / temps.unsqueeze(1)
         if any(p.min_p > 0.0 for p in params):
@@ -135,11 +141,11 @@ class Sampler:
         """One uniform in [0, 1) per row. Unseeded rows share one draw; a seeded row draws its single number from
         its own generator, so its stream is the same whatever else is in the batch."""
         u = torch.empty(num_rows, dtype=torch.float32, device=device)
-        if any(g is None for g in generators):
+        seeded = [row for row, generator in enumerate(generators) if generator is not None]
+        if len(seeded) < num_rows:
             u.uniform_(generator=self.default_generator(device))
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                u[row:row + 1].uniform_(generator=generator)
+        for row in seeded:
+            u[row:row + 1].uniform_(generator=generators[row])
         return u
 
     def _inverse_cdf(self, probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
@@ -158,7 +164,7 @@ def _cpu_kernel() -> bool:
     return cpu_ext.has_op("sample_rows")
 
 
-def _argmax(logits: Tensor) -> Tensor:
+def argmax(logits: Tensor) -> Tensor:
     """torch.argmax over each row (the first maximum); the CPU kernel's is ~4x faster on a 49k vocabulary."""
     if logits.device.type == "cpu" and logits.stride(-1) == 1 and _cpu_kernel():
         return torch.ops.conveyor_cpu.argmax_rows(logits)
@@ -215,11 +221,12 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _to_outputs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]) -> list[SampledToken]:
-    """Build SampledTokens with a single device->host transfer for the whole step."""
+def _to_outputs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]
+                ) -> tuple[list[int], dict[int, SampledToken]]:
+    """The token ids, and the logprob rows' SampledTokens, with a single device->host transfer for the step."""
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not lp_rows:
-        return [SampledToken(token_id=t) for t in tokens.tolist()]
+        return tokens.tolist(), {}
     rows = torch.tensor(lp_rows, device=logits.device)
     # Logprobs come from the raw logits (before temperature and filters), as vLLM reports them.
     logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
@@ -235,18 +242,18 @@ def _to_outputs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]) ->
 
 
 def _unpack(flat: list[float], num_rows: int, lp_rows: list[int], params: list[SamplingParams],
-            top_n: int) -> list[SampledToken]:
+            top_n: int) -> tuple[list[int], dict[int, SampledToken]]:
     token_ids = [int(t) for t in flat[:num_rows]]
-    out = [SampledToken(token_id=t) for t in token_ids]
     num_lp = len(lp_rows)
     chosen = flat[num_rows:num_rows + num_lp]
     vals_start = num_rows + num_lp
     ids_start = vals_start + num_lp * top_n
+    with_logprobs = {}
     for j, row in enumerate(lp_rows):
         n = params[row].logprobs or 0
         base = j * top_n
         vals = flat[vals_start + base:vals_start + base + n]
         ids = flat[ids_start + base:ids_start + base + n]
-        out[row].logprob = chosen[j]
-        out[row].top_logprobs = {int(i): v for i, v in zip(ids, vals, strict=True)}
-    return out
+        top = {int(i): v for i, v in zip(ids, vals, strict=True)}
+        with_logprobs[row] = SampledToken(token_ids[row], chosen[j], top)
+    return token_ids, with_logprobs

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager
-from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.serving.request import Request, SamplingParams
 from conveyor.serving.scheduler import Scheduler
 from conveyor.serving.static_scheduler import StaticScheduler
@@ -19,8 +19,7 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)
-        return ModelRunnerOutput({c.request.request_id: SampledToken(1 + c.end % 97)
-                                  for c in sched.chunks if c.samples})
+        return ModelRunnerOutput({c.request.request_id: 1 + c.end % 97 for c in sched.chunks if c.samples})
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, static: bool = False, max_model_len: int = 4096,

@@ -10,7 +10,7 @@ import pytest
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine_process import ProcessEngine
-from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from tests.fake_runner import EOS, FakeRunner, make_request, make_scheduler
 
 PROMPTS = ([[(7 * i + j) % 300 + 1 for j in range(5 + 3 * i)] for i in range(10)]
@@ -26,9 +26,8 @@ class StopAtRunner(FakeRunner):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)
-        return ModelRunnerOutput({c.request.request_id: SampledToken(
-            EOS if self.eos_at.get(c.request.request_id) == c.end else 1 + c.end % 97)
-            for c in sched.chunks if c.samples})
+        return ModelRunnerOutput({c.request.request_id: EOS if self.eos_at.get(c.request.request_id) == c.end
+                                  else 1 + c.end % 97 for c in sched.chunks if c.samples})
 
 
 def _run_scheduler(ahead: bool, runner: FakeRunner, **config) -> dict[str, tuple[list[int], str]]:

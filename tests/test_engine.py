@@ -165,6 +165,20 @@ def test_logprobs_are_returned_per_generated_token(tiny_model_dir):
         assert max(entry.top_logprobs.values()) == pytest.approx(entry.logprob)
 
 
+def test_an_argmax_only_batch_samples_the_tokens_of_the_general_path(tiny_model_dir):
+    """Greedy rows without logprobs take one argmax for the whole step; a logprobs row sends the step through the
+    sampler. Both give every row the same tokens."""
+    prompts = ["The quick", "Hello there, my", "A"]
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    fast = [r.token_ids for r in llm.generate(prompts, plain)]
+    general = [r.token_ids for r in llm.generate(prompts, [plain, with_logprobs, plain])]
+    assert fast == general and all(len(ids) == 6 for ids in fast)
+    assert llm.engine.make_request("x", plain).argmax_only
+    assert not llm.engine.make_request("x", with_logprobs).argmax_only
+
+
 def test_bfloat16_engine_on_cpu(tiny_model_dir):
     """dtype bfloat16 on CPU runs through chunked prefill and decodes: KV cache in bf16, linears packed for oneDNN
     where the CPU multiplies bf16 natively, every request to its length, every block back. (Its logits against

@@ -122,6 +122,24 @@ def test_concurrent_requests_share_cached_prefix_blocks():
     assert a.output_token_ids == b.output_token_ids
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_blocks_filled_by_decoding_are_cached(block_size, ahead):
+    """A decode fills a block when its token ends on a block boundary (the update registers it only then); a
+    later prompt that repeats the whole output hits every block the first request filled."""
+    scheduler = make_scheduler(num_blocks=64, block_size=block_size, async_scheduling=ahead)
+    runner = FakeRunner()
+    first = make_request("a", 6, 15)
+    scheduler.add_request(first)
+    run_to_completion(scheduler, runner)
+    second = make_request("b", 6, 2)
+    second.prompt_token_ids = first.prompt_token_ids + first.output_token_ids  # 21 tokens
+    scheduler.add_request(second)
+    step(scheduler, runner)
+    # The first computed the KV of 20 tokens (never its last one's), its last decode filling a block: all hit.
+    assert second.num_cached_tokens == 20
+
+
 def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler = make_scheduler(num_blocks=32, max_num_seqs=1)
     runner = FakeRunner()
