@@ -14,6 +14,7 @@ The prompt side (tokenize, apply_chat_template) is here too: LLMEngine and Proce
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,26 +26,25 @@ _INITIAL_CONTEXT_TOKENS = 5
 _MAX_PENDING_TOKENS = 4
 
 
-def ids_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
-    """decode(ids, skip_special_tokens) for this tokenizer. A fast tokenizer without clean-up decodes in the Rust
-    tokenizer directly: transformers' decode() wraps that same call in ~15 us of Python, twice per generated token
-    per request, which was most of a batch-256 step's output processing (benchmarks/step_overhead.py)."""
+def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """decode(ids) for this tokenizer. A fast tokenizer without clean-up decodes in the Rust tokenizer directly:
+    transformers' decode() wraps that same call in ~15 us of Python, twice per generated token per request, which
+    was most of a batch-256 step's output processing (benchmarks/step_overhead.py)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids, skip_special: backend.decode(ids, skip_special_tokens=skip_special)
-    return lambda ids, skip_special: tokenizer.decode(ids, skip_special_tokens=skip_special)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  min_tokens: int = 0) -> None:
-        self._decode_ids = ids_decoder(tokenizer)
+        self._decode_ids = ids_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
         # Stop strings are looked for only in text of tokens past the first min_tokens (as vLLM does).
         self._min_tokens = min_tokens
         self._include_stop = include_stop_str_in_output
-        self._skip_special = skip_special_tokens
         self._num_prompt = len(prompt_token_ids)
         # Only the prompt tail is needed as decode context; keep the rest of the prompt out of our list.
         context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
@@ -64,6 +64,9 @@ class IncrementalDetokenizer:
         self.output_token_ids.extend(new_token_ids)
         if self.stopped:
             return ""
+        if len(new_token_ids) == 1:  # the common case: one token a step
+            self._ids.append(new_token_ids[0])
+            return self._emit(self._decode_step(force=False), final=False)
         decoded: list[str] = []
         for token_id in new_token_ids:
             self._ids.append(token_id)
@@ -86,14 +89,15 @@ class IncrementalDetokenizer:
             self._prefix_offset += 1
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._decode_ids(self._ids[start:end], self._skip_special)
+        return self._decode_ids(self._ids[start:end])
 
     def _decode_step(self, force: bool) -> str:
         """The text tokens[read_offset:] add to the window, or "" while it ends mid-character."""
-        if self._read_offset == len(self._ids):
+        ids, prefix_offset, read_offset = self._ids, self._prefix_offset, self._read_offset
+        if read_offset == len(ids):
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset)
+        prefix_text = self._decode_ids(ids[prefix_offset:read_offset])
+        new_text = self._decode_ids(ids[prefix_offset:])
         if len(new_text) <= len(prefix_text):
             return ""  # e.g. a skipped special token: keep it pending, it adds no text
         if not new_text.endswith(_REPLACEMENT) or force:
@@ -131,8 +135,11 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str, final: bool) -> str:
         """Run new text through the stop-string check; return what may be sent to the client."""
+        if not self._stop:
+            self.text += delta
+            return delta
         buf = self._held + delta
-        if not self._stop or len(self.output_token_ids) <= self._min_tokens:
+        if len(self.output_token_ids) <= self._min_tokens:
             self._held = ""
             return self._send(buf)
         # Held text is exactly what could start a stop string, so a match can only begin inside `buf`.

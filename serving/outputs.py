@@ -110,7 +110,7 @@ class EngineStepStats:
     timings: StepTimings = field(default_factory=StepTimings)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: a delta for streaming plus the totals so far."""
 
