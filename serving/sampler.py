@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,9 +86,12 @@ class Sampler:
         """Draw one token per row; every row here has temperature > 0. Never mutates `logits`."""
         device, vocab = logits.device, logits.shape[-1]
         if device.type == "cpu" and _cpu_kernel():
-            temperature, top_p, min_p = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params]).t()
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-            return cpu_ext.sample_rows(logits, temperature.contiguous(), top_k, top_p.contiguous(), min_p.contiguous(),
+            # Through numpy: torch.tensor() of 256 rows' settings took ~0.5 ms a step, numpy's array ~0.1.
+            settings = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32)
+            temperature, top_p, min_p = torch.from_numpy(np.ascontiguousarray(settings.T))
+            top_k = torch.from_numpy(np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                                              dtype=np.int64))
+            return cpu_ext.sample_rows(logits, temperature, top_k, top_p, min_p,
                                        self._uniforms(len(params), generators, device))
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits / temps.unsqueeze(1)
