@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import sys
 import tempfile
@@ -42,22 +43,37 @@ def measure(model_dir: str, batch_size: int, sampled: bool, num_steps: int, prom
     for i in range(batch_size):
         prompt = [3 + (i * 7 + j) % 300 for j in range(prompt_len)]
         engine.add_request(engine.make_request(prompt, params))
-    steps, walls = [], []
+    core_outputs = []
+    core_step = engine.core_step
+
+    def keeping_core_outputs():  # noqa: ANN202 - the core step's own return, kept for the transfer figure
+        result = core_step()
+        core_outputs.append(result)
+        return result
+
+    engine.core_step = keeping_core_outputs
+    steps, walls, transfers = [], [], []
     start = time.perf_counter()
     while engine.has_unfinished():
         step_start = time.perf_counter()
         _, stats = engine.step()
         # The core step's wall time as a caller sees it: the phases plus whatever bookkeeping none of them times.
         wall = time.perf_counter() - step_start - stats.timings.process_s
+        # What `conveyor serve` adds between its processes: the engine process pickles the step's outputs and
+        # stats for the replica, which unpickles them (ProcessEngine; the same pickle as multiprocessing's).
+        sent = time.perf_counter()
+        pickle.loads(pickle.dumps(core_outputs.pop()))
         if stats.num_prefill_tokens == 0 and stats.batch_size == batch_size:
             steps.append(stats)
             walls.append(wall)
+            transfers.append(time.perf_counter() - sent)
     elapsed = time.perf_counter() - start
-    steps, walls = steps[2:], walls[2:]  # the first decode steps still warm allocator caches
+    steps, walls, transfers = steps[2:], walls[2:], transfers[2:]  # the first decode steps warm allocator caches
     row = {"batch_size": batch_size, "sampling": "top-p" if sampled else "greedy", "num_steps": len(steps),
            "step_ms": 1e3 * statistics.median(s.step_time_s for s in steps),
            "wall_ms": 1e3 * statistics.median(walls),
-           "wall_host_ms": 1e3 * statistics.median(w - s.timings.forward_s for w, s in zip(walls, steps, strict=True))}
+           "wall_host_ms": 1e3 * statistics.median(w - s.timings.forward_s for w, s in zip(walls, steps, strict=True)),
+           "transfer_ms": 1e3 * statistics.median(transfers)}
     for phase in PHASES:
         row[phase.removesuffix("_s") + "_ms"] = 1e3 * statistics.median(getattr(s.timings, phase) for s in steps)
     row["host_ms"] = 1e3 * statistics.median(s.timings.host_s for s in steps)
@@ -80,8 +96,9 @@ def main() -> None:
         model_dir = str(build_tiny_llama(Path(tempfile.mkdtemp(prefix="step-overhead-")), num_hidden_layers=1))
     rows = []
     header = f"{'batch':>5} {'sampling':>8} {'step':>7} {'sched':>6} {'prep':>6} {'fwd':>6} {'sample':>6} " \
-             f"{'update':>6} {'host':>6} | {'wall':>7} {'w-fwd':>6} | {'detok':>6}  (ms, median per decode step; " \
-             "wall: the core step timed by its caller, w-fwd: all of its host work; detok: output processing)"
+             f"{'update':>6} {'host':>6} | {'wall':>7} {'w-fwd':>6} | {'detok':>6} {'xfer':>6}  (ms, median per " \
+             "decode step; wall: the core step timed by its caller, w-fwd: all of its host work; detok: output " \
+             "processing; xfer: the step's outputs pickled and unpickled, as between serve's processes)"
     print(header)
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for sampled in (False, True):
@@ -89,7 +106,8 @@ def main() -> None:
             rows.append(r)
             print(f"{r['batch_size']:>5} {r['sampling']:>8} {r['step_ms']:7.3f} {r['schedule_ms']:6.3f} "
                   f"{r['prepare_ms']:6.3f} {r['forward_ms']:6.3f} {r['sample_ms']:6.3f} {r['output_ms']:6.3f} "
-                  f"{r['host_ms']:6.3f} | {r['wall_ms']:7.3f} {r['wall_host_ms']:6.3f} | {r['process_ms']:6.3f}",
+                  f"{r['host_ms']:6.3f} | {r['wall_ms']:7.3f} {r['wall_host_ms']:6.3f} | {r['process_ms']:6.3f} "
+                  f"{r['transfer_ms']:6.3f}",
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps({"model": args.model or "tiny-1-layer", "rows": rows}, indent=1))
