@@ -5,7 +5,8 @@ input preparation, the forward (logits included), sampling, the core's update (a
 records), and apart from the core step, output processing (detokenizing, stop strings, RequestOutputs), which
 `conveyor serve` runs in the replica process while the engine process computes the next step. "host" is the core
 step's host work in the phases it times: everything but the forward. "wall" times the core step from outside, so
-"w-fwd" (wall minus the forward) also counts the bookkeeping between the phases that none of them times. The
+"w-fwd" (wall minus the forward) also counts the bookkeeping between the phases that none of them times. "xfer"
+is what `conveyor serve` adds between its processes: the step's outputs and stats pickled and unpickled. The
 model is so small that the host work shows apart from the model; it is the part of a step that stays the same on
 a GPU, where it is what leaves the device idle between steps.
 
