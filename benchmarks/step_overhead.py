@@ -44,30 +44,23 @@ def measure(model_dir: str, batch_size: int, sampled: bool, num_steps: int, prom
     for i in range(batch_size):
         prompt = [3 + (i * 7 + j) % 300 for j in range(prompt_len)]
         engine.add_request(engine.make_request(prompt, params))
-    core_outputs = []
-    core_step = engine.core_step
-
-    def keeping_core_outputs():  # noqa: ANN202 - the core step's own return, kept for the transfer figure
-        result = core_step()
-        core_outputs.append(result)
-        return result
-
-    engine.core_step = keeping_core_outputs
     steps, walls, transfers = [], [], []
     start = time.perf_counter()
     while engine.has_unfinished():
         step_start = time.perf_counter()
-        _, stats = engine.step()
+        core_outputs, stats = engine.core_step()
         # The core step's wall time as a caller sees it: the phases plus whatever bookkeeping none of them times.
-        wall = time.perf_counter() - step_start - stats.timings.process_s
+        wall = time.perf_counter() - step_start
         # What `conveyor serve` adds between its processes: the engine process pickles the step's outputs and
         # stats for the replica, which unpickles them (ProcessEngine; the same pickle as multiprocessing's).
         sent = time.perf_counter()
-        pickle.loads(pickle.dumps(core_outputs.pop()))
+        pickle.loads(pickle.dumps((core_outputs, stats)))
+        transfer_s = time.perf_counter() - sent
+        engine.process_outputs(core_outputs, stats)
         if stats.num_prefill_tokens == 0 and stats.batch_size == batch_size:
             steps.append(stats)
             walls.append(wall)
-            transfers.append(time.perf_counter() - sent)
+            transfers.append(transfer_s)
     elapsed = time.perf_counter() - start
     steps, walls, transfers = steps[2:], walls[2:], transfers[2:]  # the first decode steps warm allocator caches
     row = {"batch_size": batch_size, "sampling": "top-p" if sampled else "greedy", "num_steps": len(steps),

@@ -207,12 +207,17 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], EngineStepStats]:
         """A core step, then its outputs processed here (text, stop strings)."""
         core_outputs, stats = self.core_step()
+        return self.process_outputs(core_outputs, stats), stats
+
+    def process_outputs(self, core_outputs: CoreOutputs, stats: EngineStepStats) -> list[RequestOutput]:
+        """A core step's outputs as RequestOutputs; requests a stop string ended are finished in the core at once.
+        The time it took goes into stats.timings.process_s."""
         start = time.perf_counter()
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         stats.timings.process_s = time.perf_counter() - start
-        return outputs, stats
+        return outputs
 
     def core_step(self) -> tuple[CoreOutputs, EngineStepStats]:
         """Schedule, run the model, sample, append: token ids out, no text (see output_processor.py). Under async

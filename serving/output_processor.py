@@ -44,9 +44,6 @@ class CoreOutputs:
     logprobs: dict[int, SampledToken] = field(default_factory=dict)
     times: dict[int, RequestTimes] = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:

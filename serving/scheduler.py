@@ -275,7 +275,7 @@ class Scheduler:
             output = request.output_token_ids
             output.append(token_id)
             updated.append(request)
-            # The common case in one test, without a call: no grammar, not EOS, no stop token, room left.
+            # The common case in one test, without a call: none of _stop_status's conditions can hold.
             if (request.grammar is None and token_id != request.eos_token_id
                     and token_id not in request.sampling_params.stop_token_ids
                     and len(output) < request.max_tokens
@@ -306,6 +306,8 @@ class Scheduler:
         return self._stop_status(request, token_id)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        """update() calls this only past its inline test that none of these conditions can hold (no grammar, not
+        EOS, no stop token, room left): a condition added here must be added to that test."""
         params = request.sampling_params
         if not params.ignore_eos and token_id == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
