@@ -31,6 +31,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-max-rows", type=int, default=None,
                         help="CPU, model from a GGUF: steps of at most this many tokens read its quantized blocks "
                              "(0: always the fp32 weights; default: 64 with AVX-512 or AVX2, else 8)")
+    parser.add_argument("--no-cpu-decode-stack", dest="cpu_decode_stack", action="store_false",
+                        help="CPU, model from a GGUF: run decode steps layer by layer from Python rather than in "
+                             "one C++ call (for comparison; the outputs are the same)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
@@ -45,7 +48,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
                                   itl_slo_ms=args.itl_slo_ms, async_scheduling=args.async_scheduling),
-        attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows)
+        attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows,
+        cpu_decode_stack=args.cpu_decode_stack)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

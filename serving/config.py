@@ -111,6 +111,9 @@ class EngineConfig:
     # quantized blocks (Q4_1/Q8_0), the same weights in 5-8.5 bits rather than 32 (see models/gguf_weights.py).
     # 0 turns it off; every step then uses the fp32 weights. None: by the CPU (kernels.gguf.default_max_rows).
     gguf_max_rows: int | None = None
+    # CPU, every projection in GGUF blocks: a step of decodes only runs its decoder layers in one C++ call instead of
+    # ~10 Python-driven kernel calls per layer, bit-identical (see models/decode_stack.py). The CPU's CUDA graph.
+    cpu_decode_stack: bool = True
     # Structured outputs: a grammar still compiling after this long fails its request (finish_reason "error").
     grammar_compile_timeout_s: float = 30.0
 

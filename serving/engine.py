@@ -18,6 +18,8 @@ from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import packable_dtypes
+from conveyor.serving.models.decode_stack import DecodeStack
+from conveyor.serving.models.decode_stack import unavailable_reason as decode_stack_unavailable_reason
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
@@ -98,6 +100,7 @@ class LLMEngine:
             self.model.pack_for_cpu()
         self.gguf_max_rows = gguf.default_max_rows() if config.gguf_max_rows is None else config.gguf_max_rows
         self.num_gguf_linears = self._attach_gguf_weights(self.gguf_max_rows)
+        self.model.decode_stack = self._decode_stack() if config.cpu_decode_stack and self.num_gguf_linears else None
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -141,6 +144,14 @@ class LLMEngine:
         count = attach_gguf_weights(self.model, blocks, max_rows)
         logger.info("%d linears read the GGUF's quantized blocks in steps of <= %d tokens", count, max_rows)
         return count
+
+    def _decode_stack(self) -> DecodeStack | None:
+        reason = decode_stack_unavailable_reason(self.model)
+        if reason is not None:
+            logger.info("decode steps run layer by layer from Python: %s", reason)
+            return None
+        logger.info("decode steps of <= %d tokens run their layers in one C++ call", self.gguf_max_rows)
+        return DecodeStack(self.model)
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -31,7 +31,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, dtype: str = "auto",
                  device: str = "auto", attention_backend: str = "auto", seed: int = 0,
                  itl_slo_ms: float | None = None, gguf_max_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", async_scheduling: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, cpu_decode_stack: bool = True) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -40,7 +40,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       scheduling=scheduling, itl_slo_ms=itl_slo_ms,
                                       async_scheduling=async_scheduling),
-            attention_backend=attention_backend, gguf_max_rows=gguf_max_rows)
+            attention_backend=attention_backend, gguf_max_rows=gguf_max_rows, cpu_decode_stack=cpu_decode_stack)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

@@ -18,6 +18,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def quantized_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama as if converted from a GGUF: linears in Q4_1 blocks (the LM head Q8_0), and the fp32
+    checkpoint holding exactly what those blocks dequantize to."""
+    from tests.tiny_model import quantize_copy
+
+    return quantize_copy(tiny_model_dir, tmp_path_factory.mktemp("tiny-gguf"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen"), qkv_bias=True)
 

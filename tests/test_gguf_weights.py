@@ -1,15 +1,13 @@
 """Steps that read a GGUF's quantized blocks (models/gguf_weights.py) compute what the fp32 weights compute."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conveyor.kernels import cpu_ext, gguf
 from conveyor.serving import LLM, SamplingParams
-from conveyor.serving.models.gguf_weights import GGUFLinear, hf_name, load_blocks, save_blocks
+from conveyor.serving.models.gguf_weights import GGUFLinear, hf_name, load_blocks
 
 if not gguf.is_available():
     pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
@@ -17,25 +15,6 @@ if not gguf.is_available():
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9], [11, 12, 13], [5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9, 50],
            list(range(40, 75))]
 NUM_TOKENS = [20, 31, 17, 12]
-
-
-@pytest.fixture(scope="module")
-def quantized_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny Llama as if converted from a GGUF: linears in Q4_1 blocks (the LM head Q8_0), and the fp32
-    checkpoint holding exactly what those blocks dequantize to."""
-    out = tmp_path_factory.mktemp("tiny-gguf")
-    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
-    weights = load_file(str(out / "model.safetensors"))
-    blocks, types = {}, {}
-    for name, tensor in weights.items():
-        if tensor.dim() == 2 and name.endswith("proj.weight") or name == "lm_head.weight":
-            ggml_type = gguf.Q8_0 if name == "lm_head.weight" else gguf.Q4_1
-            blocks[name] = gguf.quantize(tensor, ggml_type)
-            types[name] = gguf.TYPE_NAMES[ggml_type]
-            weights[name] = gguf.dequantize(blocks[name], ggml_type, tensor.shape[1])
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    save_blocks(out, blocks, types)
-    return out
 
 
 @pytest.mark.parametrize("engine_kwargs", [

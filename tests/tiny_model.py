@@ -54,3 +54,27 @@ def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0, **con
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def quantize_copy(model_dir: Path, out: Path) -> Path:
+    """A copy of model_dir as if converted from a GGUF: linears in Q4_1 blocks (the LM head Q8_0), and the fp32
+    checkpoint holding exactly what those blocks dequantize to. Needs the CPU extension (kernels.gguf)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conveyor.kernels import gguf
+    from conveyor.serving.models.gguf_weights import save_blocks
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    weights = load_file(str(out / "model.safetensors"))
+    blocks, types = {}, {}
+    for name, tensor in weights.items():
+        if tensor.dim() == 2 and name.endswith("proj.weight") or name == "lm_head.weight":
+            ggml_type = gguf.Q8_0 if name == "lm_head.weight" else gguf.Q4_1
+            blocks[name] = gguf.quantize(tensor, ggml_type)
+            types[name] = gguf.TYPE_NAMES[ggml_type]
+            weights[name] = gguf.dequantize(blocks[name], ggml_type, tensor.shape[1])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_blocks(out, blocks, types)
+    return out

@@ -241,6 +241,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: logits reuse embed_tokens.weight directly, so no second parameter exists to untie by accident.
         self.packed_logits: nn.Module | None = None  # PackedLinear, or a GGUFLinear around one
+        self.decode_stack = None  # models.decode_stack.DecodeStack, set by the engine where it applies
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                        bias=False)
 
@@ -250,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary_emb
         rope = rotary.fused_tables(positions) if self.model.fused else rotary(positions, x.dtype)
+        if self.decode_stack is not None and self.decode_stack.handles(x.shape[0], meta):
+            return self.decode_stack(x, rope, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta)

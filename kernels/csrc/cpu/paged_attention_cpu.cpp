@@ -707,6 +707,19 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 
 }  // namespace
 
+// Also as torch ops, so C++ callers (decode_stack_cpu.cpp) reach them through the dispatcher.
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (one query token per sequence)", py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),

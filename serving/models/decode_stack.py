@@ -1,0 +1,80 @@
+"""A decode step's decoder layers in one C++ call (kernels/csrc/cpu/decode_stack_cpu.cpp).
+
+At batch 1-4 on a small CPU, the Python between a decode step's ~300 kernel calls (module calls, views, splits,
+the dispatcher's Python entry) costs about as much as the kernels that do not read weights. The C++ loop calls
+the same kernels in the same order on the same tensors, so its hidden states equal the module path's bit for bit
+(tests/test_decode_stack.py); only the glue goes. It covers what that glue would run for a CPU float32 model whose
+projections all multiply by GGUF blocks (models/gguf_weights.py), steps where every row is a decode and there
+are few enough rows for those blocks; every other step takes the module path.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from conveyor.kernels import cpu_ext, gguf
+from conveyor.serving.attention import AttentionMetadata
+from conveyor.serving.models.gguf_weights import GGUFLinear
+
+_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def unavailable_reason(model: nn.Module) -> str | None:
+    """Why `model` (a LlamaForCausalLM) cannot run decode steps through the C++ loop, or None when it can."""
+    if not cpu_ext.has_op("decode_layers"):
+        return "the CPU extension did not build"
+    if not model.model.fused:
+        return "the model does not use the CPU kernels (attention backend is not 'cpu')"
+    attn = model.model.layers[0].self_attn
+    if attn.attn.backend != "cpu":
+        return f"attention backend {attn.attn.backend!r}"
+    for layer in model.model.layers:
+        for part, name in _PROJECTIONS:
+            linear = getattr(getattr(layer, part), name)
+            if not isinstance(linear, GGUFLinear):
+                return f"{part}.{name} is not in GGUF blocks"
+            if linear.bias is not None:
+                return f"{part}.{name} has a bias"
+    return None
+
+
+class DecodeStack:
+    """The per-layer tensors in decode_layers' order, gathered once at load time."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unavailable_reason(model)
+        if reason is not None:
+            raise ValueError(f"decode stack unavailable: {reason}")
+        layers = model.model.layers
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.attn.scale
+        self.eps = float(model.model.norm.eps)
+        self.final_norm = model.model.norm.weight.detach()
+        self.weights: list[Tensor] = []
+        self.ggml_types: list[int] = []
+        max_rows = set()
+        for layer in layers:
+            self.weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            for part, name in _PROJECTIONS:
+                linear = getattr(getattr(layer, part), name)
+                self.weights += [linear.weight.blocks, linear.weight.q, linear.weight.scales]
+                self.ggml_types.append(linear.ggml_type)
+                max_rows.add(linear.max_rows)
+        # Steps past the smallest max_rows would send some projection to its fp32 weights: the module path's.
+        self.max_rows = min(max_rows)
+
+    def handles(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C++ loop runs: every row a decode, and few enough for the blocks."""
+        return meta.max_query_len == 1 and 0 < num_rows <= self.max_rows and meta.seq_lens.shape[0] == num_rows
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
+                 meta: AttentionMetadata) -> Tensor:
+        """Embedded tokens x [T, hidden] -> final normed hidden states [T, hidden], as the module path."""
+        cos, sin = rope
+        return torch.ops.conveyor_cpu.decode_layers(
+            x, self.weights, self.ggml_types, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            self.final_norm, cos, sin, meta.slot_mapping.to(torch.long).contiguous(),
+            meta.block_tables.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous(),
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q8_0])
