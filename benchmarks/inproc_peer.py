@@ -9,6 +9,7 @@ attention) against an fp32 GEMM timed in the same run, the issue-13 efficiency f
     .venv/bin/python benchmarks/inproc_peer.py                               # max batch 1 and 64, ~10 min
     .venv/bin/python benchmarks/inproc_peer.py --max-num-seqs 64 --systems conveyor --json out.json
     .venv/bin/python benchmarks/inproc_peer.py --systems conveyor,conveyor-async    # async scheduling A/B
+    .venv/bin/python benchmarks/inproc_peer.py --systems conveyor,conveyor-python   # the C++ decode stack A/B
 """
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ def worker(system: str, model_dir: str, max_num_seqs: int, num_requests: int, se
     else:
         from conveyor.serving import LLM, SamplingParams
 
-        # "conveyor-async": the same engine with async scheduling (serving/step_pipeline.py)
+        # "conveyor-async": the same engine with async scheduling (serving/step_pipeline.py); "conveyor-python":
+        # decode steps layer by layer from Python rather than in one C++ call (models/decode_stack.py)
         llm = LLM(model_dir, max_num_seqs=max_num_seqs, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                  async_scheduling=system == "conveyor-async")
+                  async_scheduling=system == "conveyor-async", cpu_decode_stack=system != "conveyor-python")
         params = [SamplingParams(max_tokens=i.max_tokens, temperature=0.0, ignore_eos=True) for i in items]
 
         def run(ps: list, sps: list) -> list[int]:
