@@ -27,9 +27,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "gguf_blocks.h"
 
@@ -47,6 +50,7 @@ struct Simd {
   static constexpr int kRowTile = 12;  // 12 x kGroups accumulators + weights, d, m of 32 registers
   static constexpr int kAccumulators = 24;
   static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load_half(const c10::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -71,6 +75,7 @@ struct Simd {
   static constexpr int kRowTile = 5;  // 5 x kGroups accumulators + weights, d, m of 16 registers
   static constexpr int kAccumulators = 10;
   static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load_half(const c10::Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -99,6 +104,11 @@ struct Simd {  // portable: the same loops over plain arrays, for builds without
     int32_t v[kLanes];
   };
   static V zero() { return V{}; }
+  static V load(const float* p) {
+    V r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
   static V load_half(const c10::Half* p) {
     V r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
@@ -228,6 +238,108 @@ void group_tile(int rows, const uint8_t* q, const c10::Half* scales, int64_t gro
    ...);
 }
 
+// From more rows than one tile of group_rows, a pass's weights are expanded to float32 once, into a per-thread
+// scratch w[k][kPassFeatures] (36 KB for SmolLM2's K = 576), and a register-blocked micro-kernel multiplies every
+// row tile with it: group_rows re-expands the quants for every tile of kRowTile rows, which at 64 rows cost more
+// than the FMAs (AVX2: 72 against 82 GFLOP/s at 32 rows on SmolLM2's linears). The weights are the same floats
+// (one FMA of q, d and m, or q * d), summed over k in order.
+constexpr int64_t kPassFeatures = kGroups * kLanes;
+// Rows per micro-kernel call: kExpandedRows x kGroups accumulators, kGroups weight vectors and a broadcast fit the
+// register file (AVX2 16, AVX-512 32).
+#ifdef CONVEYOR_GGUF_AVX512
+constexpr int kExpandedRows = 12;
+#else
+constexpr int kExpandedRows = 6;
+#endif
+
+// Where the expanded path takes over. Measured only on AVX2 (2-core Zen 3, SmolLM2's 120 layer linears, cold
+// weights): equal to group_rows at 16 rows, 1.2x faster at 32 and 1.1-1.2x at 64, slower at 8. AVX-512's
+// group_rows keeps 12 rows' accumulators in registers and was not measured against it: it stays there.
+#if defined(CONVEYOR_GGUF_AVX2) && !defined(CONVEYOR_GGUF_AVX512)
+constexpr int64_t kDefaultExpandMinRows = 16;
+#else
+constexpr int64_t kDefaultExpandMinRows = std::numeric_limits<int64_t>::max();
+#endif
+
+template <int64_t Type>
+void expand_pass(const uint8_t* q, const c10::Half* scales, int64_t group_q, int64_t group_scales,
+                 int64_t num_blocks, float* w) {
+  constexpr int64_t kQuantRows = quant_rows_per_block(Type);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    V d[kGroups], m[kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      d[g] = Simd::load_half(scales + g * group_scales + b * 2 * kLanes);
+      m[g] = Simd::load_half(scales + g * group_scales + (b * 2 + 1) * kLanes);
+    }
+    const uint8_t* qb = q + b * kQuantRows * kLanes;
+    float* wb = w + b * kBlock * kPassFeatures;
+    for (int64_t j = 0; j < kQuantRows; ++j) {
+      for (int g = 0; g < kGroups; ++g) {
+        const typename Simd::I v = Simd::widen(qb + j * kLanes + g * group_q, Type == kTypeQ8_0);
+        if constexpr (Type == kTypeQ4_1) {
+          Simd::store(wb + j * kPassFeatures + g * kLanes, Simd::fmadd(Simd::low_nibbles(v), d[g], m[g]));
+          Simd::store(wb + (16 + j) * kPassFeatures + g * kLanes, Simd::fmadd(Simd::high_nibbles(v), d[g], m[g]));
+        } else {
+          Simd::store(wb + j * kPassFeatures + g * kLanes, Simd::mul(Simd::to_float(v), d[g]));
+        }
+      }
+    }
+  }
+}
+
+// out[r, 0:kPassFeatures] = x[r, :] . w[:, 0:kPassFeatures] for `Rows` rows.
+template <int Rows>
+void expanded_rows(const float* w, int64_t in_features, const float* x, int64_t x_stride, float* out,
+                   int64_t out_stride) {
+  V acc[Rows][kGroups];
+  for (int r = 0; r < Rows; ++r)
+    for (int g = 0; g < kGroups; ++g) acc[r][g] = Simd::zero();
+  for (int64_t k = 0; k < in_features; ++k) {
+    V wv[kGroups];
+    for (int g = 0; g < kGroups; ++g) wv[g] = Simd::load(w + k * kPassFeatures + g * kLanes);
+    for (int r = 0; r < Rows; ++r) {
+      const V xv = Simd::set1(x[r * x_stride + k]);
+      for (int g = 0; g < kGroups; ++g) acc[r][g] = Simd::fmadd(wv[g], xv, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int g = 0; g < kGroups; ++g) Simd::store(out + r * out_stride + g * kLanes, acc[r][g]);
+}
+
+template <int... Rows>
+void expanded_tile(int rows, const float* w, int64_t in_features, const float* x, int64_t x_stride, float* out,
+                   int64_t out_stride, std::integer_sequence<int, Rows...>) {
+  ((rows == Rows + 1 ? expanded_rows<Rows + 1>(w, in_features, x, x_stride, out, out_stride) : void()), ...);
+}
+
+template <int64_t Type>
+void expanded_passes(const uint8_t* q, const c10::Half* scales, int64_t in_features, const float* x,
+                     int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
+  const int64_t num_blocks = in_features / kBlock;
+  const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes, group_scales = num_blocks * 2 * kLanes;
+  thread_local std::vector<float> w;
+  w.resize(in_features * kPassFeatures);
+  float scratch[kExpandedRows * kPassFeatures];
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    expand_pass<Type>(q + p * kGroups * group_q, scales + p * kGroups * group_scales, group_q, group_scales,
+                      num_blocks, w.data());
+    const int64_t n0 = p * kPassFeatures;
+    const bool partial = n0 + kPassFeatures > out_features;
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kExpandedRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kExpandedRows, num_rows - r0));
+      float* dst = partial ? scratch : out + r0 * out_features + n0;
+      const int64_t dst_stride = partial ? kPassFeatures : out_features;
+      expanded_tile(rows, w.data(), in_features, x + r0 * in_features, in_features, dst, dst_stride,
+                    std::make_integer_sequence<int, kExpandedRows>{});
+      if (partial) {
+        for (int r = 0; r < rows; ++r)
+          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
+                      (out_features - n0) * sizeof(float));
+      }
+    }
+  }
+}
+
 // Passes [p_begin, p_end) of kGroups feature groups each, every row tile over each: a pass's weights (a few tens
 // of KB) stay in L1/L2 while all the row tiles use them. A pass that reaches past the last feature (the weight
 // is padded with zero groups) is computed into scratch.
@@ -236,7 +348,6 @@ void linear_passes(const uint8_t* q, const c10::Half* scales, int64_t in_feature
                    int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
   const int64_t num_blocks = in_features / kBlock;
   const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes, group_scales = num_blocks * 2 * kLanes;
-  constexpr int64_t kPassFeatures = kGroups * kLanes;
   float scratch[Simd::kRowTile * kPassFeatures];
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int64_t n0 = p * kPassFeatures;
@@ -326,9 +437,21 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const c10::Half* sp = scales.data_ptr<at::Half>();
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // CONVEYOR_GGUF_EXPAND_MIN_ROWS overrides it, for A/B runs (benchmarks/RESULTS.md, "Session 20").
+  static const int64_t expand_min_rows = [] {
+    const char* env = std::getenv("CONVEYOR_GGUF_EXPAND_MIN_ROWS");
+    return env ? std::atoll(env) : kDefaultExpandMinRows;
+  }();
+  const bool expanded = num_rows >= expand_min_rows;
   at::parallel_for(0, groups / kGroups, 1, [&](int64_t begin, int64_t end) {
     if (ggml_type == kTypeQ4_1) {
-      linear_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
+      if (expanded) {
+        expanded_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
+      } else {
+        linear_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
+      }
+    } else if (expanded) {
+      expanded_passes<kTypeQ8_0>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     } else {
       linear_passes<kTypeQ8_0>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     }
