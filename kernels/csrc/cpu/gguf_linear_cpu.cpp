@@ -180,6 +180,15 @@ inline void accumulate(V (&acc)[Rows][kGroups][Chains], const V (&w)[kGroups], c
   }
 }
 
+// Block b's scales d and minimums m (Q8_0: m = 0) of every group of the pass.
+inline void load_block_scales(const c10::Half* scales, int64_t group_scales, int64_t b, V (&d)[kGroups],
+                              V (&m)[kGroups]) {
+  for (int g = 0; g < kGroups; ++g) {
+    d[g] = Simd::load_half(scales + g * group_scales + b * 2 * kLanes);
+    m[g] = Simd::load_half(scales + g * group_scales + (b * 2 + 1) * kLanes);
+  }
+}
+
 // out[r, 0:kGroups * kLanes] for `Rows` rows and kGroups consecutive feature groups, over all K inputs.
 template <int64_t Type, int Rows>
 void group_rows(const uint8_t* q, const c10::Half* scales, int64_t group_q, int64_t group_scales,
@@ -192,10 +201,7 @@ void group_rows(const uint8_t* q, const c10::Half* scales, int64_t group_q, int6
       for (int c = 0; c < kChains; ++c) acc[r][g][c] = Simd::zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     V d[kGroups], m[kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      d[g] = Simd::load_half(scales + g * group_scales + b * 2 * kLanes);
-      m[g] = Simd::load_half(scales + g * group_scales + (b * 2 + 1) * kLanes);
-    }
+    load_block_scales(scales, group_scales, b, d, m);
     const uint8_t* qb = q + b * kQuantRows * kLanes;
     const float* xb = x + b * kBlock;
     for (int64_t j = 0; j < kQuantRows; j += kChains) {
@@ -267,10 +273,7 @@ void expand_pass(const uint8_t* q, const c10::Half* scales, int64_t group_q, int
   constexpr int64_t kQuantRows = quant_rows_per_block(Type);
   for (int64_t b = 0; b < num_blocks; ++b) {
     V d[kGroups], m[kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      d[g] = Simd::load_half(scales + g * group_scales + b * 2 * kLanes);
-      m[g] = Simd::load_half(scales + g * group_scales + (b * 2 + 1) * kLanes);
-    }
+    load_block_scales(scales, group_scales, b, d, m);
     const uint8_t* qb = q + b * kQuantRows * kLanes;
     float* wb = w + b * kBlock * kPassFeatures;
     for (int64_t j = 0; j < kQuantRows; ++j) {
