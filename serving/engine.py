@@ -19,7 +19,6 @@ from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, n
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.decode_stack import DecodeStack
-from conveyor.serving.models.decode_stack import unavailable_reason as decode_stack_unavailable_reason
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.loader import load_model
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
@@ -146,12 +145,13 @@ class LLMEngine:
         return count
 
     def _decode_stack(self) -> DecodeStack | None:
-        reason = decode_stack_unavailable_reason(self.model)
-        if reason is not None:
-            logger.info("decode steps run layer by layer from Python: %s", reason)
+        try:
+            stack = DecodeStack(self.model)
+        except ValueError as exc:
+            logger.info("decode steps run layer by layer from Python: %s", exc)
             return None
-        logger.info("decode steps of <= %d tokens run their layers in one C++ call", self.gguf_max_rows)
-        return DecodeStack(self.model)
+        logger.info("decode steps of <= %d tokens run their layers in one C++ call", stack.max_rows)
+        return stack
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

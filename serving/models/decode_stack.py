@@ -23,11 +23,8 @@ def unavailable_reason(model: nn.Module) -> str | None:
     """Why `model` (a LlamaForCausalLM) cannot run decode steps through the C++ loop, or None when it can."""
     if not cpu_ext.has_op("decode_layers"):
         return "the CPU extension did not build"
-    if not model.model.fused:
+    if not model.model.fused:  # true exactly where the attention backend is "cpu" and the extension loaded
         return "the model does not use the CPU kernels (attention backend is not 'cpu')"
-    attn = model.model.layers[0].self_attn
-    if attn.attn.backend != "cpu":
-        return f"attention backend {attn.attn.backend!r}"
     for layer in model.model.layers:
         for part, name in _PROJECTIONS:
             linear = getattr(getattr(layer, part), name)
@@ -63,6 +60,11 @@ class DecodeStack:
                 max_rows.add(linear.max_rows)
         # Steps past the smallest max_rows would send some projection to its fp32 weights: the module path's.
         self.max_rows = min(max_rows)
+        self.rows_kernel_max_rows = (gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q8_0])
+        # The runner's cache list lives as long as the engine: split it into key and value lists once.
+        self._kv_source: list[tuple[Tensor, Tensor]] | None = None
+        self._key_caches: list[Tensor] = []
+        self._value_caches: list[Tensor] = []
 
     def handles(self, num_rows: int, meta: AttentionMetadata) -> bool:
         """Whether this step is one the C++ loop runs: every row a decode, and few enough for the blocks."""
@@ -71,10 +73,13 @@ class DecodeStack:
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
                  meta: AttentionMetadata) -> Tensor:
         """Embedded tokens x [T, hidden] -> final normed hidden states [T, hidden], as the module path."""
+        if kv_caches is not self._kv_source:
+            self._kv_source = kv_caches
+            self._key_caches = [k for k, _ in kv_caches]
+            self._value_caches = [v for _, v in kv_caches]
         cos, sin = rope
         return torch.ops.conveyor_cpu.decode_layers(
-            x, self.weights, self.ggml_types, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            self.final_norm, cos, sin, meta.slot_mapping.to(torch.long).contiguous(),
-            meta.block_tables.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32).contiguous(),
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q8_0])
+            x, self.weights, self.ggml_types, self._key_caches, self._value_caches, self.final_norm, cos, sin,
+            meta.slot_mapping.to(torch.long).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
+            meta.seq_lens.to(torch.int32).contiguous(), self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            self.scale, *self.rows_kernel_max_rows)

@@ -15,8 +15,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <vector>
-
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 14;
@@ -27,29 +25,27 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// The registered kernels, looked up once (their signatures exactly as each .cpp registers them).
+// The registered kernels' signatures, exactly as each .cpp registers them.
+using LinearRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddRmsNormFn = void(at::Tensor, at::Tensor, const at::Tensor&, double);
+using RopeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using SiluAndMulFn = at::Tensor(const at::Tensor&);
+using WriteKvFn = void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
+using DecodeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, double);
+
+// The registered kernels, looked up once.
 struct Kernels {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)> linear_rows =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>("conveyor_cpu::gguf_linear_rows");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>
-      linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
-          "conveyor_cpu::gguf_linear");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("conveyor_cpu::rms_norm");
-  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, double)> add_rms_norm =
-      op<void(at::Tensor, at::Tensor, const at::Tensor&, double)>("conveyor_cpu::fused_add_rms_norm");
-  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, int64_t)> rope =
-      op<void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
-          "conveyor_cpu::rotary_embedding_neox");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      op<at::Tensor(const at::Tensor&)>("conveyor_cpu::silu_and_mul");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>
-      write_kv = op<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>(
-          "conveyor_cpu::write_kv_cache");
-  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double)>
-      decode = op<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, double)>("conveyor_cpu::paged_decode");
+  c10::TypedOperatorHandle<LinearRowsFn> linear_rows = op<LinearRowsFn>("conveyor_cpu::gguf_linear_rows");
+  c10::TypedOperatorHandle<LinearFn> linear = op<LinearFn>("conveyor_cpu::gguf_linear");
+  c10::TypedOperatorHandle<RmsNormFn> rms_norm = op<RmsNormFn>("conveyor_cpu::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm = op<AddRmsNormFn>("conveyor_cpu::fused_add_rms_norm");
+  c10::TypedOperatorHandle<RopeFn> rope = op<RopeFn>("conveyor_cpu::rotary_embedding_neox");
+  c10::TypedOperatorHandle<SiluAndMulFn> silu_and_mul = op<SiluAndMulFn>("conveyor_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<WriteKvFn> write_kv = op<WriteKvFn>("conveyor_cpu::write_kv_cache");
+  c10::TypedOperatorHandle<DecodeFn> decode = op<DecodeFn>("conveyor_cpu::paged_decode");
 };
 
 const Kernels& kernels() {

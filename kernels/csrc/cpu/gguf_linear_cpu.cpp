@@ -315,58 +315,51 @@ void expanded_tile(int rows, const float* w, int64_t in_features, const float* x
   ((rows == Rows + 1 ? expanded_rows<Rows + 1>(w, in_features, x, x_stride, out, out_stride) : void()), ...);
 }
 
-template <int64_t Type>
-void expanded_passes(const uint8_t* q, const c10::Half* scales, int64_t in_features, const float* x,
-                     int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
-  const int64_t num_blocks = in_features / kBlock;
-  const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes, group_scales = num_blocks * 2 * kLanes;
-  thread_local std::vector<float> w;
-  w.resize(in_features * kPassFeatures);
-  float scratch[kExpandedRows * kPassFeatures];
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    expand_pass<Type>(q + p * kGroups * group_q, scales + p * kGroups * group_scales, group_q, group_scales,
-                      num_blocks, w.data());
-    const int64_t n0 = p * kPassFeatures;
-    const bool partial = n0 + kPassFeatures > out_features;
-    for (int64_t r0 = 0; r0 < num_rows; r0 += kExpandedRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kExpandedRows, num_rows - r0));
-      float* dst = partial ? scratch : out + r0 * out_features + n0;
-      const int64_t dst_stride = partial ? kPassFeatures : out_features;
-      expanded_tile(rows, w.data(), in_features, x + r0 * in_features, in_features, dst, dst_stride,
-                    std::make_integer_sequence<int, kExpandedRows>{});
-      if (partial) {
-        for (int r = 0; r < rows; ++r)
-          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
-                      (out_features - n0) * sizeof(float));
-      }
+// Every row tile of pass p: compute(rows, r0, dst, dst_stride) writes `rows` rows of kPassFeatures outputs. A pass
+// that reaches past the last feature (the weight is padded with zero groups) is computed into scratch, and only
+// its real features are copied out.
+template <int kTileRows, typename Compute>
+void for_each_row_tile(int64_t p, int64_t num_rows, float* out, int64_t out_features, Compute&& compute) {
+  float scratch[kTileRows * kPassFeatures];
+  const int64_t n0 = p * kPassFeatures;
+  const bool partial = n0 + kPassFeatures > out_features;
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kTileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, num_rows - r0));
+    compute(rows, r0, partial ? scratch : out + r0 * out_features + n0, partial ? kPassFeatures : out_features);
+    if (partial) {
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
+                    (out_features - n0) * sizeof(float));
     }
   }
 }
 
 // Passes [p_begin, p_end) of kGroups feature groups each, every row tile over each: a pass's weights (a few tens
-// of KB) stay in L1/L2 while all the row tiles use them. A pass that reaches past the last feature (the weight
-// is padded with zero groups) is computed into scratch.
+// of KB) stay in L1/L2 while all the row tiles use them. `expanded`: each pass is expanded to float32 once and
+// the micro-kernel runs over it; else group_rows expands it per row tile.
 template <int64_t Type>
-void linear_passes(const uint8_t* q, const c10::Half* scales, int64_t in_features, const float* x,
+void linear_passes(bool expanded, const uint8_t* q, const c10::Half* scales, int64_t in_features, const float* x,
                    int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
   const int64_t num_blocks = in_features / kBlock;
   const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes, group_scales = num_blocks * 2 * kLanes;
-  float scratch[Simd::kRowTile * kPassFeatures];
+  thread_local std::vector<float> w;
+  if (expanded) w.resize(in_features * kPassFeatures);
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const int64_t n0 = p * kPassFeatures;
-    const bool partial = n0 + kPassFeatures > out_features;
-    for (int64_t r0 = 0; r0 < num_rows; r0 += Simd::kRowTile) {
-      const int rows = static_cast<int>(std::min<int64_t>(Simd::kRowTile, num_rows - r0));
-      float* dst = partial ? scratch : out + r0 * out_features + n0;
-      const int64_t dst_stride = partial ? kPassFeatures : out_features;
-      group_tile<Type>(rows, q + p * kGroups * group_q, scales + p * kGroups * group_scales, group_q, group_scales,
-                       num_blocks, x + r0 * in_features, in_features, dst, dst_stride,
-                       std::make_integer_sequence<int, Simd::kRowTile>{});
-      if (partial) {
-        for (int r = 0; r < rows; ++r)
-          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
-                      (out_features - n0) * sizeof(float));
-      }
+    const uint8_t* pass_q = q + p * kGroups * group_q;
+    const c10::Half* pass_scales = scales + p * kGroups * group_scales;
+    if (expanded) {
+      expand_pass<Type>(pass_q, pass_scales, group_q, group_scales, num_blocks, w.data());
+      for_each_row_tile<kExpandedRows>(p, num_rows, out, out_features, [&](int rows, int64_t r0, float* dst,
+                                                                           int64_t dst_stride) {
+        expanded_tile(rows, w.data(), in_features, x + r0 * in_features, in_features, dst, dst_stride,
+                      std::make_integer_sequence<int, kExpandedRows>{});
+      });
+    } else {
+      for_each_row_tile<Simd::kRowTile>(p, num_rows, out, out_features, [&](int rows, int64_t r0, float* dst,
+                                                                            int64_t dst_stride) {
+        group_tile<Type>(rows, pass_q, pass_scales, group_q, group_scales, num_blocks, x + r0 * in_features,
+                         in_features, dst, dst_stride, std::make_integer_sequence<int, Simd::kRowTile>{});
+      });
     }
   }
 }
@@ -448,15 +441,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const bool expanded = num_rows >= expand_min_rows;
   at::parallel_for(0, groups / kGroups, 1, [&](int64_t begin, int64_t end) {
     if (ggml_type == kTypeQ4_1) {
-      if (expanded) {
-        expanded_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
-      } else {
-        linear_passes<kTypeQ4_1>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
-      }
-    } else if (expanded) {
-      expanded_passes<kTypeQ8_0>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
+      linear_passes<kTypeQ4_1>(expanded, qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     } else {
-      linear_passes<kTypeQ8_0>(qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
+      linear_passes<kTypeQ8_0>(expanded, qp, sp, in_features, xp, num_rows, op, out_features, begin, end);
     }
   });
   return out;
