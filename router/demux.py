@@ -14,6 +14,7 @@ correctness: records are matched to streams by route key.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Any
@@ -51,7 +52,9 @@ class Demux:
             return
         if time.monotonic() - self._last_failure < RETRY_AFTER_S:
             return
-        self._opening = asyncio.ensure_future(self._pump())
+        # An empty context, not the request's that asked: Serve cancels the calls a request made when its client
+        # leaves, and the subscription serves every stream of this ingress (a batch in flight was lost with it).
+        self._opening = asyncio.get_running_loop().create_task(self._pump(), context=contextvars.Context())
 
     async def _pump(self) -> None:
         request: dict[str, Any] = {SUBSCRIBER_KEY: self.subscriber}

@@ -347,3 +347,21 @@ def test_concurrent_streams_share_messages_and_equal_their_plain_answers(client:
     num_batches = after["num_batches"] - before["num_batches"]
     num_records = after["num_muxed_records"] - before["num_muxed_records"]
     assert num_batches > 0 and num_records > num_batches, (num_batches, num_records)
+
+
+def test_a_subscription_outlives_the_stream_that_opened_it(base_url: str) -> None:
+    """The ingress opens its subscription (router/demux.py) while it serves some request. Serve cancels the child
+    calls of a request whose client leaves: the subscription must not be one of them, or a batch that was on its
+    way to the ingress is lost with it (a stream then ends with 'records of a multiplexed stream never arrived',
+    as the soak drill once did)."""
+    wait_until(lambda: engine_state(APP)["num_subscriptions"] == 0, 20, "an idle subscription to end")
+    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data:")
+        wait_until(lambda: engine_state(APP)["num_subscriptions"] == 1, 20, "the stream to open a subscription")
+    wait_until(lambda: engine_state(APP)["num_block_tables"] == 0, 15, "the stream's abort")
+    time.sleep(0.5)  # the cancellation of the request's children, if it comes, comes with the abort
+    # Nothing runs now: the subscription ends only when idle for router/replica.py's SUBSCRIPTION_IDLE_S (5 s).
+    assert engine_state(APP)["num_subscriptions"] == 1
