@@ -82,9 +82,32 @@ def build_model(config, dtype: torch.dtype, device: torch.device,
     """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend=attention_backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.model.rotary_emb.reset_tables()  # to_empty leaves buffers as garbage
+    _materialize(model, dtype, device)
+    model.model.rotary_emb.reset_tables()  # the buffers are uninitialized memory
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """What `model.to(dtype).to_empty(device)` does here (parameters in dtype, uninitialized), with torch.empty from
+    each shape: to_empty runs torch's Python reference of empty_like on meta tensors, which imports sympy (~0.7 s
+    of CPU in every engine start). Buffers keep their dtype: the only ones are the rope tables, which
+    RotaryEmbedding keeps in float32 through `.to(dtype)`. A tensor shared by two modules stays shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor, as_dtype: torch.dtype) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=as_dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                as_dtype = dtype if param.is_floating_point() else param.dtype
+                module._parameters[name] = torch.nn.Parameter(empty(param, as_dtype),
+                                                              requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer, buffer.dtype)
 
 
 def load_tokenizer(path: Path, config: PretrainedConfig | None = None) -> PreTrainedTokenizerBase:
@@ -102,14 +125,35 @@ def load_tokenizer(path: Path, config: PretrainedConfig | None = None) -> PreTra
     return AutoTokenizer.from_pretrained(path, config=config)
 
 
+# What the engine and the model read from a config, beyond what a plain PreTrainedConfig defines. Where config.json
+# has them all (save_pretrained writes every model-specific key), the model's config class adds nothing we use.
+_REQUIRED_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                  "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    """The model's config from config.json. A plain PreTrainedConfig where the file has every key we read (and the
+    rope base): AutoConfig imports the model's config module, and with it torch.distributed.tensor (~1.2 s of CPU
+    in every engine start). Otherwise AutoConfig, whose class defaults fill in what the file leaves out."""
+    from transformers import PreTrainedConfig
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    complete = all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw)
+    if not complete or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+    config = PreTrainedConfig.from_dict(raw)
+    config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
+    return config
+
+
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
                ) -> tuple[LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
     """Resolve, build, stream the weights in; the model is in eval mode with gradients off."""
-    from transformers import AutoConfig
-
     start = time.perf_counter()
     path = resolve_model_path(model)
-    config = AutoConfig.from_pretrained(path)
+    config = read_config(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         archs = getattr(config, "architectures", None)
         raise ValueError(f"unsupported architecture {config.model_type!r} ({archs}); "
