@@ -58,6 +58,8 @@ class ServeArgs(BaseModel):
     # 0 off, None by the CPU (64 with AVX-512 or AVX2, else 8)
     cpu_decode_stack: bool = True  # CPU, GGUF model: a decode step's layers in one C++ call (models/decode_stack.py)
     grammar_compile_timeout_s: float = Field(30.0, gt=0)  # structured outputs: a slower compile fails its request
+    # vLLM's --stream-interval: streamed tokens leave the replica every this many (the first and last at once)
+    stream_interval: int = Field(1, ge=1)
     # health: a replica whose engine has work but completed no step for this long fails its health check (Serve
     # replaces it after 3 failed checks, health_check_period_s apart)
     engine_stall_timeout_s: float = Field(120.0, gt=0)
@@ -119,7 +121,7 @@ class ServeArgs(BaseModel):
                                       itl_slo_ms=self.itl_slo_ms, async_scheduling=self.async_scheduling),
             attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs,
             gguf_max_rows=self.gguf_max_rows, cpu_decode_stack=self.cpu_decode_stack,
-            grammar_compile_timeout_s=self.grammar_compile_timeout_s)
+            grammar_compile_timeout_s=self.grammar_compile_timeout_s, stream_interval=self.stream_interval)
 
     def ingress_settings(self) -> IngressSettings:
         name = self.served_model_name or self.model

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
@@ -22,6 +22,21 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     held_error: BaseException | None = None  # met while coalescing: raised after what came before it
+    # stream_interval's outputs not yet posted, and whether the first one left (only the posting thread reads them)
+    unposted: list[RequestOutput] = field(default_factory=list)
+    first_posted: bool = False
+
+    def through_interval(self, output: RequestOutput, interval: int) -> RequestOutput | None:
+        """vLLM's stream_interval: what to post of this output, or None to hold it. Outputs leave once `interval`
+        tokens have gathered, merged into one; the first (time to first token) and the finished one at once."""
+        if interval == 1:
+            return output
+        self.unposted.append(output)
+        if (self.first_posted and not output.finished
+                and sum(len(o.delta_token_ids) for o in self.unposted) < interval):
+            return None
+        held, self.unposted, self.first_posted = self.unposted, [], True
+        return merge_outputs(held) if len(held) > 1 else held[0]
 
     def post(self, item: RequestOutput | BaseException) -> None:
         """Hand an output (or the request's failure) to the stream's event loop; callable from any thread."""
@@ -237,7 +252,9 @@ class AsyncEngine:
             self.engine.abort_requests([arg])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        post_all([(stream, out) for out in outputs if (stream := self._streams.get(out.request_id)) is not None])
+        interval = self.engine.config.stream_interval
+        post_all([(stream, item) for out in outputs if (stream := self._streams.get(out.request_id)) is not None
+                  and (item := stream.through_interval(out, interval)) is not None])
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         if (stream := self._streams.get(request_id)) is not None:

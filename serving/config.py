@@ -116,8 +116,13 @@ class EngineConfig:
     cpu_decode_stack: bool = True
     # Structured outputs: a grammar still compiling after this long fails its request (finish_reason "error").
     grammar_compile_timeout_s: float = 30.0
+    # vLLM's stream_interval: a stream gets a request's tokens every this many (its first and last at once): fewer,
+    # larger records for every process on the path, for a coarser stream.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.gguf_max_rows is not None and self.gguf_max_rows < 0:

@@ -297,7 +297,8 @@ class ProcessEngine:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return None  # the consumer left; the abort is on its way
-        return stream, output
+        item = stream.through_interval(output, self.config.stream_interval)
+        return None if item is None else (stream, item)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         if (stream := self._streams.get(request_id)) is not None:

@@ -108,3 +108,20 @@ def test_a_slow_consumer_gets_fewer_records_and_the_same_tokens(tiny_model_dir) 
     assert "".join(o.delta_text for o in slow) == "".join(o.delta_text for o in plain) == slow[-1].text
     assert slow[-1].finished and slow[-1].finish_reason == plain[-1].finish_reason == "length"
     assert len(slow[-1].token_ids) == 24
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3, 5])
+def test_stream_interval_posts_the_first_token_then_every_interval_tokens_and_the_end(interval: int) -> None:
+    """vLLM's stream_interval (EngineConfig.stream_interval): the first output and the finished one leave at once,
+    the others once `interval` tokens have gathered, merged; what leaves joins to exactly what came."""
+    stream = _Stream(asyncio.new_event_loop(), asyncio.Queue())
+    outputs = [_out(i, logprob=i % 2 == 0) for i in range(1, 11)] + [_out(11, finished=True)]
+    posted = [item for out in outputs if (item := stream.through_interval(out, interval)) is not None]
+    stream.loop.close()
+    assert merge_outputs(posted).delta_token_ids == list(range(1, 12))
+    assert "".join(p.delta_text for p in posted) == "".join(o.delta_text for o in outputs)
+    assert [s.token_id for p in posted for s in (p.delta_logprobs or [])] == [2, 4, 6, 8, 10]
+    assert posted[0].delta_token_ids == [1] and posted[-1].finished
+    assert all(len(p.delta_token_ids) == interval for p in posted[1:-1])
+    assert len(posted[-1].delta_token_ids) <= interval
+    assert len(posted) == 1 + -(-10 // interval)  # the first, then ceil(10 / interval) more

@@ -1,6 +1,6 @@
 """`conveyor serve` as a user runs it, in its own process and its own local Ray: the ingress listens on --port
 itself (direct ingress, no Serve proxy), streams reassemble to the non-streamed answer through the official
-client, and a stop signal leaves no engine process behind."""
+client (with a stream_interval from the YAML file), and a stop signal leaves no engine process behind."""
 from __future__ import annotations
 
 import os
@@ -20,6 +20,7 @@ from tests.serve.conftest import _free_port, wait_until
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny"
+STREAM_INTERVAL = 3  # from the YAML file: tokens leave the replica three at a time, the first alone
 
 
 def _engine_pids() -> set[int]:
@@ -70,7 +71,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, subprocess.P
 
 def _config(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli-serve-config") / "args.yaml"
-    path.write_text(f"served_model_name: {MODEL}\n")
+    path.write_text(f"served_model_name: {MODEL}\nstream_interval: {STREAM_INTERVAL}\n")
     return path
 
 
@@ -86,6 +87,8 @@ def test_streams_reassemble_through_the_direct_ingress(server) -> None:
     assert [t for c in text_chunks for t in c.choices[0].logprobs.tokens] == full.choices[0].logprobs.tokens
     assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 40
+    sizes = [len(c.choices[0].logprobs.tokens) for c in text_chunks]
+    assert sizes[0] == 1 and all(n >= STREAM_INTERVAL for n in sizes[1:-1]), sizes
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0.0,
                 stop=["zz"], extra_body={"ignore_eos": True})
     answer = client.chat.completions.create(**chat).choices[0].message.content
