@@ -27,9 +27,11 @@ from conveyor.serving.scheduler import QueueFullError
 logger = logging.getLogger(__name__)
 
 ROUTING_PREFIX_CHARS = 2048
-# A subscription with no request attached ends after this long (the ingress opens a new one when it needs it),
-# so that it never holds a stopping replica's drain open for long.
-SUBSCRIPTION_IDLE_S = 5.0
+# A subscription with no request attached ends after this long (the ingress opens a new one when it needs it).
+# Serve counts it as an ongoing request, so a stopping replica (scale-in, redeploy, `serve delete`) waits for it
+# to end: at 5 s each stop took 5-7 s longer than its streams. Opening one again is one call, and until it
+# answers a new request's records take its own stream.
+SUBSCRIPTION_IDLE_S = 1.0
 
 
 def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
@@ -110,6 +112,7 @@ class EngineReplica:
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
         self._muxes = MuxHub()
         self._num_batches = self._num_muxed_records = 0  # evidence for tests: records per subscription message
+        self._num_subscriptions_cancelled = 0  # evidence for tests: the ingress (or Serve for it) cancelled one
 
     def _start_engine(self, engine_config: EngineConfig, torch_num_threads: int | None,
                       engine_process: bool) -> None:
@@ -230,6 +233,9 @@ class EngineReplica:
                 self._num_batches += 1
                 self._num_muxed_records += len(batch)
                 yield {"batch": [(key, seq, self._record(out)) for key, seq, out in batch]}
+        except asyncio.CancelledError:
+            self._num_subscriptions_cancelled += 1
+            raise
         finally:
             self._muxes.close(subscriber, mux)
 
@@ -318,6 +324,7 @@ class EngineReplica:
                                             "num_aborted": self._num_aborted, "num_batches": self._num_batches,
                                             "num_muxed_records": self._num_muxed_records,
                                             "num_subscriptions": self._muxes.num_open,
+                                            "num_subscriptions_cancelled": self._num_subscriptions_cancelled,
                                             "num_muxed_streams": self._muxes.num_attached}
 
     def process_stats(self) -> dict[str, Any]:
