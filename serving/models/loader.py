@@ -116,13 +116,21 @@ def load_tokenizer(path: Path, config: PretrainedConfig | None = None) -> PreTra
     them, where AutoConfig imports the model's config module and with it torch.distributed.tensor and sympy (~2 s of CPU
     in a replica's start on 2 cores). The same class and the same ids result (SmolLM2, tiny Llama and Qwen2).
     config: the model's config where the caller has it already (not read again)."""
-    from transformers import AutoTokenizer, PreTrainedConfig
+    from transformers import AutoTokenizer
 
     config_file = Path(path) / "config.json"
     if config is None and config_file.is_file():
-        config = PreTrainedConfig.from_dict(json.loads(config_file.read_text()))
-        config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
+        config = _plain_config(path, json.loads(config_file.read_text()))
     return AutoTokenizer.from_pretrained(path, config=config)
+
+
+def _plain_config(path: Path, raw: dict) -> PretrainedConfig:
+    """config.json as a plain PreTrainedConfig: no model config module imported, no class defaults added."""
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig.from_dict(raw)
+    config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
+    return config
 
 
 # What the engine and the model read from a config, beyond what a plain PreTrainedConfig defines. Where config.json
@@ -135,17 +143,12 @@ def read_config(path: Path) -> PretrainedConfig:
     """The model's config from config.json. A plain PreTrainedConfig where the file has every key we read (and the
     rope base): AutoConfig imports the model's config module, and with it torch.distributed.tensor (~1.2 s of CPU
     in every engine start). Otherwise AutoConfig, whose class defaults fill in what the file leaves out."""
-    from transformers import PreTrainedConfig
-
     raw = json.loads((Path(path) / "config.json").read_text())
-    complete = all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw)
-    if not complete or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        from transformers import AutoConfig
+    if all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw):
+        return _plain_config(path, raw)
+    from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(path)
-    config = PreTrainedConfig.from_dict(raw)
-    config._name_or_path = str(path)  # as AutoConfig sets it: AutoTokenizer matches a few model ids against it
-    return config
+    return AutoConfig.from_pretrained(path)
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
