@@ -54,9 +54,9 @@ def test_prefill_block_sizes(block_size: int) -> None:
     assert rel_err(_prefill(case), _reference(case)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("head_dim", [16, 40, 72, 256])
+@pytest.mark.parametrize("head_dim", [12, 16, 40, 72, 256])
 def test_prefill_odd_head_dims(head_dim: int) -> None:
-    """Head dims that are not whole AVX-512 vectors, or more than one 4-vector block of the value sum."""
+    """Head dims that are not whole vectors (12: AVX2 too), or more than one column block of the value sum."""
     case = make_case([(70, 70), (9, 200)], 6, 2, head_dim=head_dim, block_size=8, seed=head_dim)
     assert rel_err(_prefill(case), _reference(case)) < TOL[torch.float32]
 
