@@ -25,8 +25,11 @@ from conveyor.router.mux import SUBSCRIBER_KEY
 
 logger = logging.getLogger("ray.serve")
 
-OPEN_TIMEOUT_S = 5.0  # a subscription that takes longer to be answered is given up (and tried again later)
+OPEN_TIMEOUT_S = 5.0  # a subscription no replica takes for this long is given up (and tried again later)
 RETRY_AFTER_S = 1.0  # after a subscription failed or was turned away, before the next try
+
+# Put into the queue of each stream a subscription carried when it ends: after it, nothing more comes that way.
+SUBSCRIPTION_ENDED = object()
 
 
 class Demux:
@@ -34,6 +37,7 @@ class Demux:
         self._handle = handle
         self.subscriber = subscriber
         self._queues: dict[str, asyncio.Queue] = {}
+        self._replicas: dict[str, str] = {}  # a muxed stream's key -> the replica whose subscription carries it
         self._subscriptions: dict[str, asyncio.Task] = {}  # by the replica each one landed on
         self._opening: asyncio.Task | None = None
         self._last_failure = -RETRY_AFTER_S
@@ -43,8 +47,13 @@ class Demux:
         self._queues[key] = queue = asyncio.Queue()
         return queue
 
+    def bind(self, key: str, replica: str) -> None:
+        """The stream's records come on `replica`'s subscription (its first record said so)."""
+        self._replicas[key] = replica
+
     def unregister(self, key: str) -> None:
         self._queues.pop(key, None)
+        self._replicas.pop(key, None)
 
     def ensure_subscribed(self, replica: str | None) -> None:
         """Open a subscription unless `replica` has one, one is opening, or one failed a moment ago."""
@@ -61,10 +70,7 @@ class Demux:
         gen = self._handle.options(stream=True).subscribe.remote(request)
         replica = None
         try:
-            try:
-                first = await asyncio.wait_for(gen.__anext__(), OPEN_TIMEOUT_S)
-            finally:
-                self._opening = None
+            first = await self._first_answer(gen)
             replica = first.get("subscribed")
             if replica is None:  # it landed on a replica that has one already
                 self._last_failure = time.monotonic()
@@ -85,3 +91,30 @@ class Demux:
             gen.cancel()
             if replica is not None and self._subscriptions.get(replica) is asyncio.current_task():
                 del self._subscriptions[replica]
+                self._tell_streams_ended(replica)
+
+    async def _first_answer(self, gen: Any) -> dict[str, Any]:
+        """The replica's first answer. Only the wait for a replica to take the call is bounded (OPEN_TIMEOUT_S:
+        all replicas full): once at a replica, the call is never given up for being slow, since the replica may
+        have sent a batch on it already and cancelling lost those records. A replica that dies ends it with an
+        error. The assignment future is a private hook of Serve's handle (streams._wait_assigned uses it too);
+        without it the whole wait is bounded, as before."""
+        fetch = getattr(gen, "_fetch_future_result_async", None)
+        try:
+            if fetch is None:
+                return await asyncio.wait_for(gen.__anext__(), OPEN_TIMEOUT_S)
+            await asyncio.wait_for(fetch(), OPEN_TIMEOUT_S)
+        finally:
+            if self._opening is asyncio.current_task():
+                self._opening = None  # another replica's subscription may open while this one is answered
+        return await gen.__anext__()
+
+    def _tell_streams_ended(self, replica: str) -> None:
+        """A stream whose own Serve stream has ended too can stop waiting for records now (they were lost with a
+        replica that died), rather than after MUXED_TAIL_TIMEOUT_S. One whose own stream runs reads on: the
+        replica sends what its subscription did not take on that stream."""
+        for key, bound in self._replicas.items():
+            queue = self._queues.get(key)
+            if bound == replica and queue is not None:
+                queue.put_nowait(SUBSCRIPTION_ENDED)
+

@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
 
-from conveyor.router.demux import Demux
+from conveyor.router.demux import SUBSCRIPTION_ENDED, Demux
 from conveyor.router.drain import DEPARTURES, ROUTE_KEY
 from conveyor.router.errors import ApiError
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
@@ -67,15 +67,18 @@ class StartedStream:
             self.queue.put_nowait(exc)
 
     async def _muxed(self) -> AsyncIterator[dict[str, Any]]:
-        expected, held, own_ended = 1, {}, False
+        expected, held, own_ended, subscription_ended = 1, {}, False, False
         while True:
             timeout = MUXED_TAIL_TIMEOUT_S if own_ended else None
             try:
                 item = await asyncio.wait_for(self.queue.get(), timeout)
             except asyncio.TimeoutError:
                 raise RuntimeError("records of a multiplexed stream never arrived") from None
-            if item is _OWN_END:
-                own_ended = True
+            if item is _OWN_END or item is SUBSCRIPTION_ENDED:
+                own_ended |= item is _OWN_END
+                subscription_ended |= item is SUBSCRIPTION_ENDED
+                if own_ended and subscription_ended:  # both ways it could come have ended: what is missing is lost
+                    raise RuntimeError("records of a multiplexed stream were lost with its replica's subscription")
                 continue
             if isinstance(item, BaseException):
                 raise item
@@ -146,6 +149,7 @@ async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_t
         if not first.get(MUX_KEY):  # an error record has no MUX_KEY either
             demux.unregister(key)
             return StartedStream(_raise_if_error(first), gen)
+        demux.bind(key, first["replica"])
         return StartedStream(first, gen, queue, functools.partial(demux.unregister, key))
 
 

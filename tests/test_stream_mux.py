@@ -3,9 +3,11 @@ ingress putting records from two paths back in order. The real path is tested in
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from conveyor.router.demux import SUBSCRIPTION_ENDED, Demux
 from conveyor.router.mux import SEQ_KEY, StreamMux
 from conveyor.router.streams import StartedStream
 from conveyor.serving.outputs import RequestOutput
@@ -75,7 +77,7 @@ class OwnStream:
 def read(own: OwnStream, muxed: list[tuple[int, dict]]) -> list[dict]:
     async def run() -> list[dict]:
         queue: asyncio.Queue = asyncio.Queue()
-        for item in muxed:
+        for item in muxed:  # (seq, record) pairs, or a marker such as SUBSCRIPTION_ENDED
             queue.put_nowait(item)
         released = []
         stream = StartedStream({"text": "a", SEQ_KEY: 0}, own, queue, lambda: released.append(True))
@@ -103,3 +105,92 @@ def test_a_record_that_never_comes_is_an_error_not_a_hang(monkeypatch) -> None:
     monkeypatch.setattr(streams, "MUXED_TAIL_TIMEOUT_S", 0.1)
     with pytest.raises(RuntimeError, match="never arrived"):
         read(OwnStream([]), [(2, {"text": "c", "finish_reason": "length"})])  # seq 1 lost
+
+
+def test_a_record_lost_with_its_subscription_fails_the_read_without_waiting(monkeypatch) -> None:
+    """The replica died with a batch in flight: its subscription and the own stream both ended, so the read fails
+    at once instead of after MUXED_TAIL_TIMEOUT_S (set here to an hour: waiting for it would fail wait_for)."""
+    from conveyor.router import streams
+
+    monkeypatch.setattr(streams, "MUXED_TAIL_TIMEOUT_S", 3600.0)
+    lost = [(2, {"text": "c", "finish_reason": "length"}), SUBSCRIPTION_ENDED]  # seq 1 lost
+    with pytest.raises(RuntimeError, match="lost with its replica's subscription"):
+        asyncio.run(asyncio.wait_for(asyncio.to_thread(read, OwnStream([]), lost), 5.0))
+
+
+def test_after_its_subscription_ends_a_stream_reads_on_from_its_own_stream() -> None:
+    """The subscription went away while the request ran: the replica sends the rest on the own stream."""
+    own = OwnStream([{"text": "c", SEQ_KEY: 2}, {"text": "d", SEQ_KEY: 3, "finish_reason": "stop"}])
+    assert [r["text"] for r in read(own, [(1, {"text": "b"}), SUBSCRIPTION_ENDED])] == ["a", "b", "c", "d"]
+
+
+class FakeSubscription:
+    """A replica's `subscribe` stream as Demux sees it: its items, then a failure (the replica died). With
+    answer_delay_s it has been taken by a replica at once (Serve's assignment hook) and answers that much later."""
+
+    def __init__(self, items: list[dict], answer_delay_s: float | None = None) -> None:
+        self._items = iter(items)
+        self.cancelled = False
+        self._answer_delay_s = answer_delay_s
+        if answer_delay_s is not None:
+            self._fetch_future_result_async = self._assigned
+
+    async def _assigned(self) -> None:
+        await asyncio.sleep(0)
+
+    def __aiter__(self):  # noqa: ANN204
+        return self
+
+    async def __anext__(self) -> dict:
+        await asyncio.sleep(self._answer_delay_s or 0)
+        self._answer_delay_s = None
+        item = next(self._items, None)
+        if item is None:
+            raise RuntimeError("replica died")
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """Only the call Demux makes: handle.options(stream=True).subscribe.remote(request)."""
+
+    def __init__(self, subscription: FakeSubscription) -> None:
+        self.subscribe = SimpleNamespace(remote=lambda request: subscription)
+
+    def options(self, **_: object) -> FakeHandle:
+        return self
+
+
+def test_a_subscription_that_ends_tells_the_streams_it_carried() -> None:
+    async def run() -> None:
+        subscription = FakeSubscription([{"subscribed": "r1"}, {"batch": [("k1", 1, {"text": "b"})]}])
+        demux = Demux(FakeHandle(subscription), "ingress-1")
+        carried, elsewhere = demux.register("k1"), demux.register("k2")
+        demux.bind("k1", "r1")
+        demux.bind("k2", "r2")
+        demux.ensure_subscribed("r1")
+        assert await asyncio.wait_for(carried.get(), 5.0) == (1, {"text": "b"})
+        assert await asyncio.wait_for(carried.get(), 5.0) is SUBSCRIPTION_ENDED
+        assert elsewhere.empty() and subscription.cancelled
+
+    asyncio.run(run())
+
+
+def test_a_subscription_a_replica_has_taken_is_not_given_up_for_a_slow_answer(monkeypatch) -> None:
+    """Cancelling it could lose a batch the replica already sent: only the wait for a replica is bounded."""
+    from conveyor.router import demux as demux_module
+
+    monkeypatch.setattr(demux_module, "OPEN_TIMEOUT_S", 0.05)
+
+    async def run() -> None:
+        subscription = FakeSubscription([{"subscribed": "r1"}, {"batch": [("k1", 1, {"text": "b"})]}],
+                                        answer_delay_s=0.3)
+        demux = Demux(FakeHandle(subscription), "ingress-1")
+        queue = demux.register("k1")
+        demux.bind("k1", "r1")
+        demux.ensure_subscribed("r1")
+        assert await asyncio.wait_for(queue.get(), 5.0) == (1, {"text": "b"})
+
+    asyncio.run(run())

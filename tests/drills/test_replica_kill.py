@@ -79,7 +79,9 @@ def test_fleet_recovers_after_replica_kill(base_url: str) -> None:
               "steady_p50_s": round(percentile(steady, 0.5), 3), "steady_p99_s": round(percentile(steady, 0.99), 3),
               "recovery_window_requests": len(window), "recovery_p50_s": round(percentile(window, 0.5), 3),
               "recovery_p99_s": round(percentile(window, 0.99), 3),
-              "served_by_new_replica": sum(s.result.replica == new_id for s in samples)}
+              "served_by_new_replica": sum(s.result.replica == new_id for s in samples),
+              # how long a client of a cut stream waited for its error event (a figure, not a limit)
+              "cut_streams_ended_s": round(max((s.end - killed_at for s in cut), default=0.0), 2)}
     write_artifact("replica_kill", report)
     assert len(steady) >= 5 and len(window) >= 5, report
     stats = wait_fleet_idle(APP, 30)
