@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import free_port  # noqa: E402
 from benchmarks.peer_serve import start_conveyor, stop_all, wait_ready  # noqa: E402
-from benchmarks.proc_cpu import cpu_by_role, snapshot  # noqa: E402
+from benchmarks.proc_cpu import NOT_SERVER_ROLES, cpu_by_role, snapshot  # noqa: E402
 
 
 def measure(name: str, env_pairs: list[str], seconds: float, model: str) -> dict:
@@ -39,7 +39,8 @@ def measure(name: str, env_pairs: list[str], seconds: float, model: str) -> dict
         stop_all(proc, before)
     by_role.pop("client", None)
     cores = {role: cpu / seconds for role, cpu in sorted(by_role.items(), key=lambda kv: -kv[1])}
-    return {"variant": name, "env": env_pairs, "seconds": seconds, "cores": cores, "total_cores": sum(cores.values())}
+    server = sum(v for role, v in cores.items() if role not in NOT_SERVER_ROLES)
+    return {"variant": name, "env": env_pairs, "seconds": seconds, "cores": cores, "total_cores": server}
 
 
 def main() -> None:
@@ -61,7 +62,8 @@ def main() -> None:
     print("|---|" + "---|" * len(rows))
     for role in roles:
         print(f"| {role} | " + " | ".join(f"{row['cores'].get(role, 0.0):.3f}" for row in rows) + " |")
-    print("| **total** | " + " | ".join(f"**{row['total_cores']:.3f}**" for row in rows) + " |")
+    print("| **the server (kernel threads and other processes not counted)** | "
+          + " | ".join(f"**{row['total_cores']:.3f}**" for row in rows) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -31,7 +31,7 @@ from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
-from benchmarks.proc_cpu import breakdown_table, cmdline, cpu_by_role, role_of, snapshot  # noqa: E402
+from benchmarks.proc_cpu import NOT_SERVER_ROLES, breakdown_table, cmdline, cpu_by_role, role_of, snapshot  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ENGINE_ROLES = {"engine child", "vllm engine core"}  # where the model runs; the rest is the path
@@ -234,11 +234,13 @@ def report(rows: list[dict]) -> str:
         if r["rate"] != "inf":
             continue
         cpu = r["cpu_s"]
-        server = {k: v for k, v in cpu.items() if k not in CLIENT_ROLES}
+        server = {k: v for k, v in cpu.items() if k not in CLIENT_ROLES | NOT_SERVER_ROLES}
         outside = sum(v for k, v in server.items() if k not in ENGINE_ROLES)
         share = 100 * outside / max(1e-9, sum(server.values()))
+        machine = sum(v for k, v in cpu.items() if k in NOT_SERVER_ROLES)
         lines += ["", f"CPU by process, {r['target']} at rate inf (server processes outside the engine: "
-                  f"{share:.1f}% of the server's CPU):", breakdown_table(cpu, r["total_output_tokens"], r["wall_s"])]
+                  f"{share:.1f}% of the server's CPU; not the server's, not counted: kernel threads and other "
+                  f"processes, {machine:.1f} s):", breakdown_table(cpu, r["total_output_tokens"], r["wall_s"])]
     return "\n".join(lines)
 
 

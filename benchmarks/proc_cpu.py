@@ -18,6 +18,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # (substring of the command line, role): the first match wins, so specific patterns come first.
 ROLES: tuple[tuple[str, str], ...] = (
     ("conveyor.serving.engine_core_loop", "engine child"),
+    ("conveyor serve", "serve driver"),
     ("EngineReplica", "replica"),
     ("Ingress", "ingress"),
     ("ProxyActor", "serve proxy"),
@@ -30,9 +31,16 @@ ROLES: tuple[tuple[str, str], ...] = (
     ("gcs_server", "ray system"),
     ("ray/_private", "ray system"),
     ("ray/dashboard", "ray system"),
+    ("ray/autoscaler", "ray system"),
     ("ray::", "ray other workers"),
     ("default_worker.py", "ray other workers"),
 )
+
+# Not the server's: the kernel's own threads (on these VMs kdamond, the kernel's memory-access monitor, takes
+# ~0.015 cores whatever runs) and every process no role matches (this machine's tooling, shells).
+KERNEL_ROLE = "kernel threads"
+NOT_SERVER_ROLES = frozenset({KERNEL_ROLE, "other"})
+PF_KTHREAD = 0x00200000  # /proc/PID/stat "flags": a kernel thread
 
 
 @dataclass(frozen=True)
@@ -49,13 +57,20 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def _cpu_s(pid: int) -> float | None:
+def _stat_fields(pid: int) -> list[str] | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces: split after its closing paren
+    return stat[stat.rindex(")") + 2:].split()  # the name may hold spaces: split after its closing paren
+
+
+def _cpu_s(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def _is_kernel_thread(fields: list[str]) -> bool:
+    return bool(int(fields[6]) & PF_KTHREAD)
 
 
 def role_of(cmdline: str) -> str:
@@ -72,11 +87,16 @@ def snapshot(client_pids: set[int] = frozenset()) -> dict[int, ProcSample]:
         if not entry.isdigit():
             continue
         pid = int(entry)
-        cpu = _cpu_s(pid)
-        if cpu is None:
+        fields = _stat_fields(pid)
+        if fields is None:
             continue
-        role = "client" if pid in client_pids else role_of(cmdline(pid))
-        samples[pid] = ProcSample(pid, role, cpu)
+        if pid in client_pids:
+            role = "client"
+        elif _is_kernel_thread(fields):
+            role = KERNEL_ROLE
+        else:
+            role = role_of(cmdline(pid))
+        samples[pid] = ProcSample(pid, role, _cpu_s(fields))
     return samples
 
 

@@ -120,6 +120,27 @@ def test_a_client_gone_mid_stream_frees_the_engine(server) -> None:
     wait_until(lambda: _engine_gauge(url, "conveyor_kv_cache_usage_ratio") == 0, 15, "its blocks to be free")
 
 
+def _children_cmdlines(pid: int) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+            if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_the_local_ray_runs_no_log_monitor(server) -> None:
+    """Without -v no worker output goes to the driver, so Ray's log monitor (which polls the log folder ten
+    times a second to stream it there) is stopped after start (router/serve_cli.py, _stop_log_monitor)."""
+    _, proc, _ = server
+    children = _children_cmdlines(proc.pid)
+    assert any("gcs_server" in c for c in children), children  # the driver started this Ray's processes
+    assert not [c for c in children if "log_monitor.py" in c]
+
+
 def test_sigint_stops_every_engine_process(server) -> None:
     """`kill -INT` stops a server whose SIGINT was ignored at start (SIGTERM takes the same handler)."""
     url, proc, before = server
