@@ -135,7 +135,7 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
            "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json",
-           "--dump-prompts", str(prompts), "--disable-tqdm"]
+           "--dump-prompts", str(prompts), "--disable-tqdm", "--save-detailed"]
     if max_concurrency:
         cmd += ["--max-concurrency", str(max_concurrency)]
     if args.temperature > 0:  # vLLM's client sends greedy requests unless told
@@ -164,7 +164,9 @@ def summarize_client(r: dict) -> dict:
     keys = ("completed", "failed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
             "median_e2el_ms", "p99_e2el_ms")
-    return {k: r.get(k) for k in keys}
+    # Each request's TTFT, in the order the client sent them (its arrival order): where a tail comes from.
+    ttfts = [round(t * 1000, 1) if t else None for t in r.get("ttfts") or []]
+    return {k: r.get(k) for k in keys} | {"ttfts_ms": ttfts}
 
 
 # ---- in process ------------------------------------------------------------------------------------------
