@@ -100,7 +100,9 @@ def cmd_dashboards_push(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM serving")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="more logging; under `serve`, Ray's workers' output too (else it stays in "
+                             "/tmp/ray/session_*/logs)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a streamed answer to one prompt")

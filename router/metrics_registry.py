@@ -127,6 +127,10 @@ class FleetGauges:
 
     def __init__(self, model: str, app: str, every_s: float = 2.0) -> None:
         self.model, self.app, self.every_s = model, app, every_s
+        # Got once: `get_registry` is a get-or-create through the GCS (the actor's options pickled each time),
+        # which every 2 s was most of what this thread cost the ingress. Dropped on an error: the registry
+        # may have restarted.
+        self._registry: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conveyor-fleet-gauges", daemon=True)
         self._thread.start()
@@ -134,7 +138,9 @@ class FleetGauges:
     def refresh(self) -> None:
         from conveyor.serving.metrics import REPLICAS_CURRENT, REPLICAS_TARGET
 
-        registry = get_registry(create=True)
+        if self._registry is None:
+            self._registry = get_registry(create=True)
+        registry = self._registry
         fleet = ray.get(registry.fleet.remote(), timeout=5).get(self.app)
         engines = [t for t in ray.get(registry.targets.remote(self.app), timeout=5)
                    if t["labels"].get("conveyor_role") == "engine"]
@@ -151,6 +157,7 @@ class FleetGauges:
                 self.refresh()
             except Exception:  # noqa: BLE001 - keep trying; a missing gauge shows on the dashboard
                 logger.debug("fleet gauges refresh failed", exc_info=True)
+                self._registry = None
             if self._stop.wait(self.every_s):
                 return
 
