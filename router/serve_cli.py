@@ -58,12 +58,12 @@ def ray_background_env() -> dict[str, str]:
     task events (`ray list tasks`) every 10 s instead of 1; Serve's cached metrics every 1 s instead of 0.1; no
     event-loop statistics in Ray's C++ components. The dashboard agent samples every Ray process's CPU and memory
     for those ray_* series every 60 s instead of 5, and checks that its raylet lives every 2 s instead of 0.4 (it
-    gives the raylet 5 s); no idle worker is kept started ahead of need (a replica's start measured the same
-    without it). Those three: 0.054 -> 0.042 cores idle (session 23)."""
+    gives the raylet 5 s); no idle worker is started ahead of need, for the driver or later (a replica's start
+    measured the same without it). Those: 0.054 -> 0.042 cores idle (session 23)."""
     return {"RAY_metrics_report_interval_ms": "60000", "RAY_task_events_report_interval_ms": "10000",
             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_event_stats": "0",
             "REPORTER_UPDATE_INTERVAL_MS": "60000", "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
-            "RAY_enable_worker_prestart": "0"}
+            "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
