@@ -31,7 +31,15 @@ from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
-from benchmarks.proc_cpu import NOT_SERVER_ROLES, breakdown_table, cmdline, cpu_by_role, role_of, snapshot  # noqa: E402
+from benchmarks.proc_cpu import (  # noqa: E402
+    NOT_SERVER_ROLES,
+    OTHER_ROLE,
+    breakdown_table,
+    cmdline,
+    cpu_by_role,
+    role_of,
+    snapshot,
+)
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ENGINE_ROLES = {"engine child", "vllm engine core"}  # where the model runs; the rest is the path
@@ -120,7 +128,7 @@ def _is_server_process(pid: int, session: int) -> bool:
     except OSError:
         return False
     in_session = int(stat.rsplit(")", 1)[1].split()[3]) == session
-    return in_session or role_of(cmdline(pid)) not in ("other", "client")
+    return in_session or role_of(cmdline(pid)) not in (OTHER_ROLE, "client")
 
 
 # ---- the client --------------------------------------------------------------------------------------

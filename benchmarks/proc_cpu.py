@@ -39,7 +39,8 @@ ROLES: tuple[tuple[str, str], ...] = (
 # Not the server's: the kernel's own threads (on these VMs kdamond, the kernel's memory-access monitor, takes
 # ~0.015 cores whatever runs) and every process no role matches (this machine's tooling, shells).
 KERNEL_ROLE = "kernel threads"
-NOT_SERVER_ROLES = frozenset({KERNEL_ROLE, "other"})
+OTHER_ROLE = "other"
+NOT_SERVER_ROLES = frozenset({KERNEL_ROLE, OTHER_ROLE})
 PF_KTHREAD = 0x00200000  # /proc/PID/stat "flags": a kernel thread
 
 
@@ -77,7 +78,7 @@ def role_of(cmdline: str) -> str:
     for needle, role in ROLES:
         if needle in cmdline:
             return role
-    return "other"
+    return OTHER_ROLE
 
 
 def snapshot(client_pids: set[int] = frozenset()) -> dict[int, ProcSample]:

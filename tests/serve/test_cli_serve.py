@@ -23,15 +23,23 @@ MODEL = "tiny"
 STREAM_INTERVAL = 3  # from the YAML file: tokens leave the replica three at a time, the first alone
 
 
-def _engine_pids() -> set[int]:
-    pids = set()
+def _processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of every process now."""
+    found = []
     for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            if entry.isdigit() and b"conveyor.serving.engine_core_loop" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                pids.add(int(entry))
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            pass
-    return pids
+            continue
+        found.append((int(entry), int(stat.rsplit(")", 1)[1].split()[1]), cmd))
+    return found
+
+
+def _engine_pids() -> set[int]:
+    return {pid for pid, _, cmd in _processes() if "conveyor.serving.engine_core_loop" in cmd}
 
 
 def _ready(url: str) -> bool:
@@ -120,23 +128,11 @@ def test_a_client_gone_mid_stream_frees_the_engine(server) -> None:
     wait_until(lambda: _engine_gauge(url, "conveyor_kv_cache_usage_ratio") == 0, 15, "its blocks to be free")
 
 
-def _children_cmdlines(pid: int) -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
-            if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError):
-            pass
-    return found
-
-
 def test_the_local_ray_runs_no_log_monitor(server) -> None:
     """Without -v no worker output goes to the driver, so Ray's log monitor (which polls the log folder ten
     times a second to stream it there) is stopped after start (router/serve_cli.py, _stop_log_monitor)."""
     _, proc, _ = server
-    children = _children_cmdlines(proc.pid)
+    children = [cmd for _, parent, cmd in _processes() if parent == proc.pid]
     assert any("gcs_server" in c for c in children), children  # the driver started this Ray's processes
     assert not [c for c in children if "log_monitor.py" in c]
 
