@@ -9,6 +9,7 @@ process CPU seconds are read from /proc for every run (benchmarks/proc_cpu.py).
 
     .venv/bin/python benchmarks/peer_serve.py                                   # ~15 min on 2 cores
     .venv/bin/python benchmarks/peer_serve.py --targets conveyor,inproc --rates inf
+    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,vllm,inproc,vllm_inproc --rates inf  # both ratios
     .venv/bin/python benchmarks/peer_serve.py --targets conveyor --conveyor-env RAY_SERVE_THROUGHPUT_OPTIMIZED=0
 """
 from __future__ import annotations
@@ -143,7 +144,8 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
            "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json",
-           "--dump-prompts", str(prompts), "--disable-tqdm", "--save-detailed"]
+           "--dump-prompts", str(prompts), "--dump-client-cpu", str(out_dir / "client_cpu.json"),
+           "--disable-tqdm", "--save-detailed"]
     if max_concurrency:
         cmd += ["--max-concurrency", str(max_concurrency)]
     if args.temperature > 0:  # vLLM's client sends greedy requests unless told
@@ -160,6 +162,9 @@ def run_client(args: argparse.Namespace, url: str, rate: str, seed: int, tag: st
     row = summarize_client(result) | {"target": tag, "rate": rate if not max_concurrency else f"c={max_concurrency}",
                                       "seed": seed, "wall_s": wall, "cpu_s": cpu}
     row["prompts_file"] = str(prompts)
+    # The client's CPU while it sent and read (its imports and prompt sampling before are idle time for the server):
+    # what it took from the cores the server shares with it.
+    row["client_cpu_s_in_run"] = json.loads((out_dir / "client_cpu.json").read_text())["client_cpu_s"]
     return row
 
 
@@ -197,6 +202,23 @@ def run_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
             "duration": wall, "output_throughput": num_out / wall, "wall_s": wall, "cpu_s": cpu}
 
 
+def run_vllm_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
+    """The same prompts through vLLM's `LLM.generate` with its server's defaults (benchmarks/vllm_inproc.py, in its
+    venv, with the server's CPU set-up): the in-process figure for `vllm serve`'s ratio."""
+    cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_inproc.py"), "--model-dir", model_dir(args.model),
+           "--prompts", prompts_file, "--dtype", args.dtype, "--temperature", str(args.temperature),
+           "--top-p", str(args.top_p)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(args.vllm_python, os.cpu_count() or 1),
+                          timeout=args.client_timeout_s)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM in process failed:\n{done.stderr[-3000:]}")
+    r = json.loads(lines[-1].removeprefix("RESULT "))
+    return {"target": "vllm_inproc", "rate": "inf", "completed": r["completed"],
+            "total_output_tokens": r["total_output_tokens"], "duration": r["wall_s"],
+            "output_throughput": r["total_output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}
+
+
 def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) -> dict:
     """The same prompts on an AsyncEngine in this process (the engine a replica runs, without HTTP or Ray),
     streamed, at the same rate (Poisson arrivals of its own seed): what TTFT and ITL the engine alone gives."""
@@ -229,19 +251,24 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
 
 
 # ---- report ----------------------------------------------------------------------------------------------
+# Each server's rate-inf throughput is divided by its own engine's on the same prompts in process.
+IN_PROCESS_OF = {"conveyor": "inproc", "vllm": "vllm_inproc"}
+
+
 def report(rows: list[dict]) -> str:
-    inproc = next((r["output_throughput"] for r in rows if r["target"] == "inproc"), None)
+    inproc = {r["target"]: r["output_throughput"] for r in rows if r["target"] in IN_PROCESS_OF.values()}
     lines = ["| target | rate | done | out tok/s | vs in process | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 "
              "| ITL p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['output_throughput'] / inproc:.2f}x" if inproc and r["target"] != "inproc" else ""
+        base = inproc.get(IN_PROCESS_OF.get(r["target"], ""))
+        ratio = f"{r['output_throughput'] / base:.2f}x" if base and r["rate"] == "inf" else ""
         ms = {k: (f"{r[k] / 1000:.1f} s" if (r.get(k) or 0) >= 1000 else f"{r[k]:.0f} ms") if r.get(k) else ""
               for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms")}
         lines.append(f"| {r['target']} | {r['rate']} | {r.get('completed')} | {r['output_throughput']:.1f} | {ratio} "
                      f"| {ms['median_ttft_ms']} | {ms['p99_ttft_ms']} | {ms['median_tpot_ms']} "
                      f"| {ms['median_itl_ms']} | {ms['p99_itl_ms']} |")
     for r in rows:
-        if r["rate"] != "inf":
+        if r["rate"] != "inf" or "cpu_s" not in r:  # vllm_inproc: one process that exits before it could be read
             continue
         cpu = r["cpu_s"]
         server = {k: v for k, v in cpu.items() if k not in CLIENT_ROLES | NOT_SERVER_ROLES}
@@ -251,6 +278,10 @@ def report(rows: list[dict]) -> str:
         lines += ["", f"CPU by process, {r['target']} at rate inf (server processes outside the engine: "
                   f"{share:.1f}% of the server's CPU; not the server's, not counted: kernel threads and other "
                   f"processes, {machine:.1f} s):", breakdown_table(cpu, r["total_output_tokens"], r["wall_s"])]
+        if r.get("client_cpu_s_in_run") is not None:
+            run_share = 100 * r["client_cpu_s_in_run"] / (r["duration"] * (os.cpu_count() or 1))
+            lines.append(f"The client while it sent and read: {r['client_cpu_s_in_run']:.1f} CPU s, {run_share:.1f}% "
+                         f"of the machine over the {r['duration']:.0f} s run.")
     return "\n".join(lines)
 
 
@@ -302,12 +333,14 @@ def main() -> None:
             killed = stop_all(proc, before)
             print(f"{target} stopped; killed leftover pids {killed}", flush=True)
             time.sleep(3)
-    if {"inproc", "inproc_stream"} & set(targets):
+    if {"inproc", "inproc_stream", "vllm_inproc"} & set(targets):
         prompts = args.prompts or next((r["prompts_file"] for r in rows if r["rate"] == "inf"), None)
         if prompts is None:  # the prompts are drawn by vLLM's client during a server's run
             raise SystemExit("in-process targets need the prompts of a server's rate-inf run: add a server target")
     if "inproc" in targets:
         rows.append(run_inproc(args, prompts))
+    if "vllm_inproc" in targets:
+        rows.append(run_vllm_inproc(args, prompts))
     if "inproc_stream" in targets:
         for rate in rates:
             served = next((r["prompts_file"] for r in rows if r["rate"] == rate and "prompts_file" in r), None)

@@ -271,23 +271,29 @@ class EngineReplica:
                 "top": [(self._tokenizer.decode([tid]), lp) for tid, lp in top.items()]}
 
     # ---- what Serve and the routing/autoscaling policies read ---------------------------------------
-    def record_routing_stats(self) -> dict[str, Any]:
+    # The hooks Serve calls on a timer (and the ingress's probe) are coroutines: they only read state this process
+    # holds. A plain method would run through anyio's to_thread, which under Serve starts and stops a thread for
+    # every call (each call is its own root task): one every 0.5 s for the routing stats alone.
+    async def record_routing_stats(self) -> dict[str, Any]:
         load = self.engine.load()
         sched = self.config.scheduler
         return {"num_waiting": load.num_waiting, "num_running": load.num_running,
                 "kv_cache_usage": load.kv_cache_usage, "max_num_seqs": sched.max_num_seqs,
                 "max_waiting_requests": sched.max_waiting_requests}
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         load = self.engine.load()
         return {"num_waiting": float(load.num_waiting), "num_running": float(load.num_running),
                 "kv_cache_usage": float(load.kv_cache_usage), "ttft_p99_s": self._ttft.percentile(0.99),
                 "itl_p99_s": self._itl.percentile(0.99)}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; after 3 failures in a row it replaces the replica.
         A dead engine process fails it, and so does a live one that has work but completed no step for
         engine_stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it forever)."""
+        self._raise_if_unhealthy()
+
+    def _raise_if_unhealthy(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine is not running")
         stalled_s = self._stalled_s()
@@ -306,10 +312,10 @@ class EngineReplica:
             return 0.0
         return now - self._last_progress
 
-    def ready(self) -> dict[str, Any]:
+    async def ready(self) -> dict[str, Any]:
         """The ingress's readiness probe: answered only once __init__ has loaded the model and built the engine
         (Serve routes nothing to a replica before), refused while the engine is wedged."""
-        self.check_health()
+        self._raise_if_unhealthy()
         return {"replica": self._replica_id, "model": self.metrics.model}
 
     def stall_engine_for_test(self, seconds: float) -> None:
