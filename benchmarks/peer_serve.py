@@ -9,7 +9,7 @@ process CPU seconds are read from /proc for every run (benchmarks/proc_cpu.py).
 
     .venv/bin/python benchmarks/peer_serve.py                                   # ~15 min on 2 cores
     .venv/bin/python benchmarks/peer_serve.py --targets conveyor,inproc --rates inf
-    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,vllm,inproc,vllm_inproc --rates inf  # both ratios
+    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,vllm,inproc,vllm_inproc --rates inf --rounds 4
     .venv/bin/python benchmarks/peer_serve.py --targets conveyor --conveyor-env RAY_SERVE_THROUGHPUT_OPTIMIZED=0
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -255,16 +256,28 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
 IN_PROCESS_OF = {"conveyor": "inproc", "vllm": "vllm_inproc"}
 
 
+def served_ratios(rows: list[dict]) -> dict[int, float]:
+    """Row index -> that server row's rate-inf throughput over its own engine's in process in the same round."""
+    inproc = {(r.get("round"), r["target"]): r["output_throughput"] for r in rows
+              if r["target"] in IN_PROCESS_OF.values()}
+    ratios = {}
+    for i, r in enumerate(rows):
+        base = inproc.get((r.get("round"), IN_PROCESS_OF.get(r["target"], "")))
+        if base and r["rate"] == "inf":
+            ratios[i] = r["output_throughput"] / base
+    return ratios
+
+
 def report(rows: list[dict]) -> str:
-    inproc = {r["target"]: r["output_throughput"] for r in rows if r["target"] in IN_PROCESS_OF.values()}
-    lines = ["| target | rate | done | out tok/s | vs in process | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 "
-             "| ITL p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        base = inproc.get(IN_PROCESS_OF.get(r["target"], ""))
-        ratio = f"{r['output_throughput'] / base:.2f}x" if base and r["rate"] == "inf" else ""
+    ratios = served_ratios(rows)
+    lines = ["| round | target | rate | done | out tok/s | vs in process | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 "
+             "| ITL p99 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        ratio = f"{ratios[i]:.2f}x" if i in ratios else ""
         ms = {k: (f"{r[k] / 1000:.1f} s" if (r.get(k) or 0) >= 1000 else f"{r[k]:.0f} ms") if r.get(k) else ""
               for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms")}
-        lines.append(f"| {r['target']} | {r['rate']} | {r.get('completed')} | {r['output_throughput']:.1f} | {ratio} "
+        lines.append(f"| {r.get('round', '')} | {r['target']} | {r['rate']} | {r.get('completed')} "
+                     f"| {r['output_throughput']:.1f} | {ratio} "
                      f"| {ms['median_ttft_ms']} | {ms['p99_ttft_ms']} | {ms['median_tpot_ms']} "
                      f"| {ms['median_itl_ms']} | {ms['p99_itl_ms']} |")
     for r in rows:
@@ -282,6 +295,13 @@ def report(rows: list[dict]) -> str:
             run_share = 100 * r["client_cpu_s_in_run"] / (r["duration"] * (os.cpu_count() or 1))
             lines.append(f"The client while it sent and read: {r['client_cpu_s_in_run']:.1f} CPU s, {run_share:.1f}% "
                          f"of the machine over the {r['duration']:.0f} s run.")
+    by_target: dict[str, list[float]] = {}
+    for i, ratio in ratios.items():
+        by_target.setdefault(rows[i]["target"], []).append(ratio)
+    for target, values in by_target.items():
+        if len(values) > 1:  # one pair moves by +-15% on a small VM: the median of rounds is the figure
+            lines.append(f"{target} vs its engine in process over {len(values)} rounds: median "
+                         f"{statistics.median(values):.2f}x (range {min(values):.2f}-{max(values):.2f}x)")
     return "\n".join(lines)
 
 
@@ -308,11 +328,27 @@ def main() -> None:
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     p.add_argument("--prompts", default=None, help="in-process targets only: a prompts file an earlier run dumped")
     p.add_argument("--client-timeout-s", type=float, default=900)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every target this many times, in turn; the report gives each server's median ratio")
     p.add_argument("--out", default=str(RESULTS_DIR / "peer_serve.json"))
     args = p.parse_args()
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"{args.vllm_python} missing: run `bash benchmarks/setup_vllm.sh` (vLLM's client is used "
                          "for every target)")
+    rows: list[dict] = []
+    for round_number in range(1, args.rounds + 1):
+        rows += [r | {"round": round_number} for r in run_round(args)]
+    text = report(rows)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows,
+                               "load_avg_1m_after": os.getloadavg()[0]}, indent=1))
+    print(f"wrote {out}")
+
+
+def run_round(args: argparse.Namespace) -> list[dict]:
+    """Every server target at every load, then the in-process targets on the prompts the servers got."""
     targets, rates = args.targets.split(","), args.rates.split(",")
     rows: list[dict] = []
     starters = {"conveyor": start_conveyor, "vllm": start_vllm}
@@ -345,13 +381,7 @@ def main() -> None:
         for rate in rates:
             served = next((r["prompts_file"] for r in rows if r["rate"] == rate and "prompts_file" in r), None)
             rows.append(run_inproc_stream(args, served or prompts, rate))
-    text = report(rows)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows,
-                               "load_avg_1m_after": os.getloadavg()[0]}, indent=1))
-    print(f"wrote {out}")
+    return rows
 
 
 if __name__ == "__main__":
