@@ -65,6 +65,11 @@ def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout_s: float) -
     wait_http(url + "/health", timeout_s, proc)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        # vLLM's server exits once its engine died (e.g. a head size its CPU attention lacks): say so now rather than
+        # after the timeout.
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with code {proc.returncode}: see its log in "
+                               f"{tempfile.gettempdir()}")
         try:
             r = httpx.post(url + "/v1/completions", timeout=60,
                            json={"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
