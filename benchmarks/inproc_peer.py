@@ -109,10 +109,15 @@ def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_se
         from benchmarks.compare import vllm_env
 
         env = vllm_env(args.vllm_python, os.cpu_count() or 1)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    return run_result_process(cmd, env, 3600, f"{system} at max batch {max_num_seqs}")
+
+
+def run_result_process(cmd: list[str], env: dict[str, str], timeout_s: float, label: str) -> dict:
+    """Run a measuring process (one system, in its own venv) and return the JSON of its last "RESULT " line."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{system} at max batch {max_num_seqs} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 

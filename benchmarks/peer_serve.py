@@ -33,6 +33,7 @@ from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
+from benchmarks.inproc_peer import run_result_process  # noqa: E402
 from benchmarks.proc_cpu import (  # noqa: E402
     NOT_SERVER_ROLES,
     OTHER_ROLE,
@@ -135,7 +136,7 @@ def _is_server_process(pid: int, session: int) -> bool:
     except OSError:
         return False
     in_session = int(stat.rsplit(")", 1)[1].split()[3]) == session
-    return in_session or role_of(cmdline(pid)) not in (OTHER_ROLE, "client")
+    return in_session or role_of(cmdline(pid)) not in {OTHER_ROLE, *CLIENT_ROLES}
 
 
 # ---- the client --------------------------------------------------------------------------------------
@@ -214,12 +215,8 @@ def run_vllm_inproc(args: argparse.Namespace, prompts_file: str) -> dict:
     cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_inproc.py"), "--model-dir", model_dir(args.model),
            "--prompts", prompts_file, "--dtype", args.dtype, "--temperature", str(args.temperature),
            "--top-p", str(args.top_p)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(args.vllm_python, os.cpu_count() or 1),
-                          timeout=args.client_timeout_s)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM in process failed:\n{done.stderr[-3000:]}")
-    r = json.loads(lines[-1].removeprefix("RESULT "))
+    r = run_result_process(cmd, vllm_env(args.vllm_python, os.cpu_count() or 1), args.client_timeout_s,
+                           "vLLM in process")
     return {"target": "vllm_inproc", "rate": "inf", "completed": r["completed"],
             "total_output_tokens": r["total_output_tokens"], "duration": r["wall_s"],
             "output_throughput": r["total_output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}

@@ -291,9 +291,6 @@ class EngineReplica:
         """Serve calls this every health_check_period_s; after 3 failures in a row it replaces the replica.
         A dead engine process fails it, and so does a live one that has work but completed no step for
         engine_stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it forever)."""
-        self._raise_if_unhealthy()
-
-    def _raise_if_unhealthy(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine is not running")
         stalled_s = self._stalled_s()
@@ -315,7 +312,7 @@ class EngineReplica:
     async def ready(self) -> dict[str, Any]:
         """The ingress's readiness probe: answered only once __init__ has loaded the model and built the engine
         (Serve routes nothing to a replica before), refused while the engine is wedged."""
-        self._raise_if_unhealthy()
+        await self.check_health()
         return {"replica": self._replica_id, "model": self.metrics.model}
 
     def stall_engine_for_test(self, seconds: float) -> None:
