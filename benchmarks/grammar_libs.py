@@ -13,14 +13,15 @@ For each case of tests/structured_cases.py and each library it measures:
   llguidance LLMatcher.validate_grammar), what bad inputs produce, which JSON Schema keywords are refused;
 - GIL: the longest stall of a Python loop while another thread compiles (does compiling block the engine step?).
 
+The two libraries sit behind one interface in grammar_adapters.py; the refusal and leak probes are in
+grammar_probes.py.
+
     .venv/bin/pip install xgrammar==0.2.9              # not a dependency of Conveyor: only this comparison needs it
     .venv/bin/python benchmarks/grammar_libs.py        # table on stdout, JSON to benchmarks/results/grammar_libs.json
 """
 from __future__ import annotations
 
 import json
-import os
-import re
 import statistics
 import sys
 import threading
@@ -30,224 +31,33 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
-import xgrammar as xgr
-from llguidance import LLExecutor, LLMatcher
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.structured_cases
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.* and tests.structured_cases
 
-from tests.structured_cases import (  # noqa: E402
-    BAD_GRAMMARS,
-    BAD_REGEXES,
-    BAD_SCHEMAS,
-    CHOICES,
-    GRAMMARS,
-    REGEXES,
-    SCHEMA_CASES,
-    SchemaCase,
-    check_valid_instances,
+from benchmarks.grammar_adapters import (  # noqa: E402
+    THREADS,
+    VOCAB,
+    WORDS,
+    Lib,
+    LLGuidance,
+    XGrammar,
+    err_text,
+    ms,
+    pct,
+    timed_compile,
+    walk,
 )
+from benchmarks.grammar_probes import bad_inputs, ingress_validation, other_formats, probes  # noqa: E402
+from tests.structured_cases import SCHEMA_CASES, SchemaCase, check_valid_instances  # noqa: E402
 
 MODEL = Path("~/.cache/conveyor/models/SmolLM2-135M-Instruct").expanduser()
 OUT = Path(__file__).resolve().parent / "results" / "grammar_libs.json"
-VOCAB = 49152
-WORDS = VOCAB // 32
 REPS = 3
 BATCH = 32
 BATCH_STEPS = 40
-THREADS = os.cpu_count() or 2
 
-_AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
-KEYWORD_PROBES: dict[str, dict[str, Any]] = {
-    "unknown key 'frobnicate'": {"type": "object", "frobnicate": 3},
-    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
-    "not": {"type": "string", "not": {"const": "x"}},
-    "if/then/else": {"type": "object", "properties": _AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
-    "patternProperties": {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}},
-    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
-    "contains": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}},
-    "minProperties": {"type": "object", "properties": _AB, "minProperties": 1},
-    "dependentRequired": {"type": "object", "properties": _AB, "dependentRequired": {"a": ["b"]}},
-    "multipleOf": {"type": "integer", "multipleOf": 5},
-    "oneOf": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
-    "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
-    "format: ipv4": {"type": "string", "format": "ipv4"},
-    "format: unknown-fmt": {"type": "string", "format": "unknown-fmt"},
-}
-
-# instances valid under JSON Schema; a library that refuses one restricts output beyond the schema
-SEMANTIC_PROBES: list[tuple[str, dict[str, Any], str]] = [
-    ("extra property (no additionalProperties)", {"type": "object", "properties": {"a": {"type": "integer"}}},
-     '{"a": 1, "b": 2}'),
-    ("properties out of declared order", {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                          "b": {"type": "integer"}}},
-     '{"b": 1, "a": 2}'),
-    ("pretty-printed (indent=2)", SCHEMA_CASES[0].schema, json.dumps(SCHEMA_CASES[0].valid[0], indent=2)),
-    ("unanchored pattern (spec: search)", {"type": "string", "pattern": "[0-9]+"}, '"ab12"'),
-    ("bare {'type': 'object'} with a key", {"type": "object"}, '{"k": 1}'),
-    ("items-less {'type': 'array'} with items", {"type": "array"}, "[1, 2]"),
-    ("patternProperties key", KEYWORD_PROBES["patternProperties"], '{"x_a": 1}'),
-]
-
-
-# instances invalid under JSON Schema; a library that allows one does not enforce the keyword
-LEAK_PROBES: list[tuple[str, dict[str, Any], str]] = [
-    ("uniqueItems", KEYWORD_PROBES["uniqueItems"], "[1, 1]"),
-    ("not", KEYWORD_PROBES["not"], '"x"'),
-    ("dependentRequired", KEYWORD_PROBES["dependentRequired"], '{"a": 1}'),
-    ("minProperties", KEYWORD_PROBES["minProperties"], "{}"),
-    ("contains", KEYWORD_PROBES["contains"], "[2]"),
-    ("if/then", KEYWORD_PROBES["if/then/else"], '{"a": 1}'),
-    ("multipleOf", KEYWORD_PROBES["multipleOf"], "7"),
-    ("allOf required", KEYWORD_PROBES["allOf"], "{}"),
-    ("patternProperties", KEYWORD_PROBES["patternProperties"], '{"x_a": "s"}'),
-    ("format: ipv4", KEYWORD_PROBES["format: ipv4"], '"999.1.1.1"'),
-]
-
-
-def ms(seconds: float) -> float:
-    return round(seconds * 1e3, 3)
-
-
-def pct(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def err_text(e: BaseException | str) -> str:
-    """One line: the message without xgrammar's '[time] file.cc:line: ' prefix and llguidance's source excerpts."""
-    lines = [t.strip() for t in str(e).splitlines() if t.strip() and not set(t.strip()) <= {"^"}]
-    text = re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", " / ".join(lines))
-    return ((type(e).__name__ + ": ") if isinstance(e, BaseException) else "") + text[:150]
-
-
-class XGrammar:
-    name = "xgrammar"
-
-    def __init__(self, tok: Any) -> None:
-        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB)
-        self.batcher = xgr.BatchGrammarMatcher(max_threads=THREADS)
-
-    def compile(self, kind: str, src: Any, threads: int = THREADS) -> Any:
-        c = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        if kind == "json":
-            return c.compile_json_schema(src)
-        if kind == "regex":
-            return c.compile_regex(src)
-        if kind == "lark":
-            return c.compile_lark(src)
-        return c.compile_grammar(xgr.Grammar.from_ebnf(choice_ebnf(src) if kind == "choice" else src))
-
-    @staticmethod
-    def validate(kind: str, src: Any) -> str:
-        """Tokenizer-free check: '' when accepted, else the error."""
-        make = {"json": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex, "gbnf": xgr.Grammar.from_ebnf,
-                "lark": xgr.Grammar.from_lark}[kind]
-        try:
-            make(src)
-            return ""
-        except Exception as e:
-            return "raises " + err_text(e)
-
-    def matcher(self, handle: Any) -> Any:
-        return xgr.GrammarMatcher(handle)
-
-    def fill(self, m: Any, mask: torch.Tensor, row: int) -> None:
-        m.fill_next_token_bitmask(mask, row)
-
-    def batch_fill(self, ms_: list[Any], mask: torch.Tensor) -> None:
-        self.batcher.batch_fill_next_token_bitmask(ms_, mask)
-
-    def accept(self, m: Any, token: int) -> bool:
-        return m.accept_token(token)
-
-    def done(self, m: Any) -> bool:
-        return m.is_completed()
-
-    def reset(self, m: Any) -> None:
-        m.reset()
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-class LLGuidance:
-    name = "llguidance"
-
-    def __init__(self, tok: Any) -> None:
-        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB)
-        self.executor = LLExecutor(num_threads=THREADS)
-
-    @staticmethod
-    def grammar(kind: str, src: Any) -> str:
-        if kind == "json":
-            return LLMatcher.grammar_from_json_schema(src)
-        return llguidance.grammar_from(kind, json.dumps(src) if kind == "choice" else src)
-
-    def compile(self, kind: str, src: Any, threads: int = THREADS) -> Any:
-        m = LLMatcher(self.tok, self.grammar(kind, src))
-        if m.is_error():
-            raise RuntimeError(m.get_error())
-        return m
-
-    @classmethod
-    def validate(cls, kind: str, src: Any) -> str:
-        try:
-            grammar = cls.grammar(kind, src)
-        except Exception as e:
-            return "raises " + err_text(e)
-        is_error, msgs = LLMatcher.validate_grammar_with_warnings(grammar)
-        return ("returns " + err_text(msgs[0])) if is_error else ""
-
-    def matcher(self, handle: Any) -> Any:
-        return handle.deep_copy()
-
-    def fill(self, m: Any, mask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(m, mask, row)
-
-    def batch_fill(self, ms_: list[Any], mask: torch.Tensor) -> None:
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms_)], mask)
-
-    def accept(self, m: Any, token: int) -> bool:
-        return m.consume_token(token)
-
-    def done(self, m: Any) -> bool:
-        return m.is_accepting()
-
-    def reset(self, m: Any) -> None:
-        m.reset()
-
-
-Lib = XGrammar | LLGuidance
-
-
-def allowed(mask: torch.Tensor, row: int, token: int) -> bool:
-    return bool((int(mask[row, token >> 5]) >> (token & 31)) & 1)
-
-
-def walk(lib: Lib, handle: Any, tokens: list[int], eos: int) -> tuple[list[float], str]:
-    """Fill + accept each token; returns the fill times and '' or the first mismatch."""
-    m, mask, times = lib.matcher(handle), torch.zeros((1, WORDS), dtype=torch.int32), []
-    for i, token in enumerate(tokens):
-        t0 = time.perf_counter()
-        lib.fill(m, mask, 0)
-        times.append(time.perf_counter() - t0)
-        if not allowed(mask, 0, token):
-            return times, f"token {i}/{len(tokens)} masked out"
-        if not lib.accept(m, token):
-            return times, f"token {i}/{len(tokens)} rejected"
-    lib.fill(m, mask, 0)
-    return times, "" if lib.done(m) and allowed(mask, 0, eos) else "incomplete at end / EOS masked"
-
-
-def timed_compile(lib: Lib, kind: str, src: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    handle = lib.compile(kind, src)
-    return handle, time.perf_counter() - t0
 
 
 def bench_case(lib: Lib, case: SchemaCase, tok: Any) -> tuple[dict[str, Any], Any, list[int]]:
@@ -332,81 +142,6 @@ def gil_check(libs: list[Lib], case: SchemaCase) -> dict[str, Any]:
             else (lambda lib=lib: ll_ready(lib))
         out[lib.name] = max_stall(fn)
     return out
-
-
-def as_src(value: Any) -> Any:
-    return value if isinstance(value, str | dict) else json.dumps(value)
-
-
-def bad_input(libs: list[Lib], kind: str, name: str, src: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": name}
-    for lib in libs:
-        row[lib.name + "_no_tokenizer"] = lib.validate(kind, src) or "ACCEPTED"
-        try:
-            lib.compile(kind, src)
-            row[lib.name + "_compile"] = "ACCEPTED"
-        except Exception as e:
-            how = "error state" if isinstance(lib, LLGuidance) and isinstance(e, RuntimeError) else "raises"
-            row[lib.name + "_compile"] = f"{how} {err_text(e)}"
-    return row
-
-
-def bad_inputs(libs: list[Lib]) -> list[dict[str, Any]]:
-    rows = [dict(bad_input(libs, "json", b.name, as_src(b.value)), kind=b.kind) for b in BAD_SCHEMAS]
-    rows += [dict(bad_input(libs, "regex", f"regex {r!r}", r), kind="invalid") for r in BAD_REGEXES]
-    rows += [dict(bad_input(libs, g.syntax, g.name, g.text), kind="invalid") for g in BAD_GRAMMARS]
-    return rows
-
-
-def other_formats(libs: list[Lib], tok: Any) -> list[dict[str, Any]]:
-    items = [("regex", f"regex {r!r}", r, v) for r, v in REGEXES]
-    items += [("choice", f"choice {c}", c, c[:1]) for c in CHOICES]
-    items += [(g.syntax, g.name, g.text, g.valid) for g in GRAMMARS]
-    rows = []
-    for kind, name, src, valid in items:
-        row: dict[str, Any] = {"name": name}
-        for lib in libs:
-            try:
-                handle, dt = timed_compile(lib, kind, src)
-            except Exception as e:
-                row[lib.name] = "REFUSED " + err_text(e)
-                continue
-            bad = [why for v in valid if (why := walk(lib, handle, tok.encode(v, add_special_tokens=False),
-                                                      tok.eos_token_id)[1])]
-            row[lib.name] = f"ok {ms(dt)} ms" + (f" MISMATCH {bad}" if bad else "")
-        rows.append(row)
-    return rows
-
-
-def ingress_validation(libs: list[Lib]) -> dict[str, Any]:
-    """Tokenizer-free validation of every good case: time and false refusals."""
-    out: dict[str, Any] = {}
-    for lib in libs:
-        times, refused = [], []
-        for case in SCHEMA_CASES:
-            t0 = time.perf_counter()
-            err = lib.validate("json", case.schema)
-            times.append(time.perf_counter() - t0)
-            if err:
-                refused.append(f"{case.name}: {err}")
-        out[lib.name] = {"ms_p50": ms(statistics.median(times)), "ms_max": ms(max(times)), "refused_good": refused}
-    return out
-
-
-def probes(libs: list[Lib], tok: Any) -> dict[str, Any]:
-    keywords = {k: {lib.name: lib.validate("json", s) or "accepted" for lib in libs} for k, s in KEYWORD_PROBES.items()}
-    def run(probe_list: list[tuple[str, dict[str, Any], str]]) -> dict[str, dict[str, str]]:
-        return {name: {lib.name: probe_walk(lib, schema, tok.encode(text, add_special_tokens=False), tok.eos_token_id)
-                       for lib in libs} for name, schema, text in probe_list}
-
-    return {"keywords": keywords, "valid_refused": run(SEMANTIC_PROBES), "invalid_allowed": run(LEAK_PROBES)}
-
-
-def probe_walk(lib: Lib, schema: dict[str, Any], tokens: list[int], eos: int) -> str:
-    try:
-        return walk(lib, lib.compile("json", schema), tokens, eos)[1] or "allowed"
-    except Exception as e:
-        return "REFUSED " + err_text(e)
 
 
 def setup() -> tuple[Any, list[Lib], dict[str, float]]:
