@@ -28,7 +28,7 @@ class StreamResult:
 def stream_completion(url: str, prompt: str, max_tokens: int,
                       on_first_chunk: Callable[[str], None] | None = None,
                       timeout_s: float = 90.0, close_when: threading.Event | None = None) -> StreamResult:
-    """close_when: once it is set the client hangs up at its next chunk, as a client that has seen enough."""
+    """close_when: once it is set the client hangs up after its next chunk, as a client that has seen enough."""
     result = StreamResult()
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -39,28 +39,32 @@ def stream_completion(url: str, prompt: str, max_tokens: int,
             result.error = resp.json().get("error")
             return result
         for line in resp.iter_lines():
+            if line.startswith("data: "):
+                read_event(result, line[len("data: "):], on_first_chunk)
+            # Hang up after reading a chunk, not before: a stream that waited in a queue until the moment its client
+            # decided still reports the replica that started it (a full suite run once saw one with no replica).
             if close_when is not None and close_when.is_set() and not result.done:
                 result.closed_early = True
                 return result
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                result.done = True
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                result.error = event["error"]
-                continue
-            if result.replica is None and on_first_chunk is not None:
-                on_first_chunk(event.get("system_fingerprint"))
-            result.replica = result.replica or event.get("system_fingerprint")
-            if event.get("usage"):  # the last chunk: no choices, the token count
-                result.tokens = event["usage"]["completion_tokens"]
-                continue
-            result.chunks += 1  # a chunk may carry several tokens (a stream that fell behind catches up)
-            result.finish_reason = event["choices"][0]["finish_reason"] or result.finish_reason
     return result
+
+
+def read_event(result: StreamResult, data: str, on_first_chunk: Callable[[str], None] | None) -> None:
+    if data == "[DONE]":
+        result.done = True
+        return
+    event = json.loads(data)
+    if "error" in event:
+        result.error = event["error"]
+        return
+    if result.replica is None and on_first_chunk is not None:
+        on_first_chunk(event.get("system_fingerprint"))
+    result.replica = result.replica or event.get("system_fingerprint")
+    if event.get("usage"):  # the last chunk: no choices, the token count
+        result.tokens = event["usage"]["completion_tokens"]
+        return
+    result.chunks += 1  # a chunk may carry several tokens (a stream that fell behind catches up)
+    result.finish_reason = event["choices"][0]["finish_reason"] or result.finish_reason
 
 
 class StreamStarts:
