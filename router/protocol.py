@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from conveyor.router import tool_calls
+from conveyor.router import tool_schema
 from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
-from conveyor.router.tool_calls import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
+from conveyor.router.tool_schema import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams, StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
@@ -199,7 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _check_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        tool_calls.check_tools(tools, None)
+        tool_schema.check_tools(tools, None)
         return tools
 
     @field_validator("tool_choice")
@@ -207,7 +207,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_tool_choice(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         """Field-level (so the 400 names tool_choice): its tools exist, and a forced call's grammar compiles."""
         tools = info.data.get("tools")
-        tool_calls.check_tools(tools, choice)
+        tool_schema.check_tools(tools, choice)
         schema = _tool_schema(tools, choice, info.data.get("parallel_tool_calls", True))
         if schema is not None:
             if info.data.get("response_format") is not None or info.data.get("structured_outputs") is not None:
@@ -242,7 +242,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict[str, str]]:
         if self.tools or any(m.tool_calls or m.role == "tool" for m in self.messages):
             dumped = [m.model_dump(exclude_none=True) for m in self.messages]
-            return tool_calls.render_messages(dumped, self.tools, self.tool_choice)
+            return tool_schema.render_messages(dumped, self.tools, self.tool_choice)
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def _max_tokens(self) -> int | None:
@@ -259,8 +259,8 @@ def _tool_schema(tools: list[Tool] | None, choice: ToolChoice | None, parallel: 
     if not tools or choice is None or choice in ("none", "auto"):
         return None
     if choice == "required":
-        return tool_calls.required_schema(tools, parallel)
-    return tool_calls.named_schema(next(t for t in tools if t.function.name == choice.function.name))
+        return tool_schema.required_schema(tools, parallel)
+    return tool_schema.named_schema(next(t for t in tools if t.function.name == choice.function.name))
 
 
 # ---- responses ---------------------------------------------------------------------------------------

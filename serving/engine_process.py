@@ -48,19 +48,22 @@ BUILD_TIMEOUT_S = 600.0  # model conversion on first use can take minutes on a s
 QUERY_TIMEOUT_S = 30.0
 
 
-# How long an idle OpenMP thread of the engine spins before it sleeps (libgomp's default: 300 000 iterations, a few
-# hundred microseconds). Behind a server the engine shares the cores with the replica, the ingress, Ray and often
-# the client: a thread that spins at a barrier while its partner was preempted burns the core the preempting
-# process needs. A short spin gives it back: at saturation on 2 cores, 239 against 228 output tok/s and TTFT p50
-# 8.0 against 9.6 s (three interleaved runs each, benchmarks/RESULTS.md "Session 9"). A value already set wins.
-# It applies only where the child runs on GNU's runtime: Intel's, which it prefers (openmp_runtime.py), waits by
-# KMP_BLOCKTIME, and its default (200 ms) measured better there than 1 ms (RESULTS.md "Session 16").
+# How long an idle OpenMP thread of the engine spins before it sleeps. Behind a server the engine shares the cores
+# with the replica, the ingress, Ray and the client: a thread that spins at a barrier while its partner was preempted
+# burns the core the preempting process needs, and its partner waits for a core meanwhile. A short spin gives the core
+# back (and lets the partner move onto it). On GNU's runtime: 10 000 iterations instead of libgomp's 300 000 (at
+# saturation on 2 cores, 239 against 228 output tok/s: benchmarks/RESULTS.md "Session 9"). On Intel's, which the
+# child prefers (openmp_runtime.py): KMP_BLOCKTIME 1 ms instead of 200 (on a 2-core Zen 3, six interleaved pairs at
+# saturation: median 131.8 against 124.7 output tok/s, engine CPU for the same work -6%: "Session 25"; session 16's
+# two pairs on another CPU had been inconclusive). A value already set wins.
 ENGINE_OMP_SPIN_COUNT = "10000"
+ENGINE_KMP_BLOCKTIME_MS = "1"
 
 
 def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
     env = dict(parent)
     env.setdefault("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
+    env.setdefault("KMP_BLOCKTIME", ENGINE_KMP_BLOCKTIME_MS)
     env.update(child_openmp_env(parent))
     return env
 

@@ -1,4 +1,5 @@
-"""router/tool_calls.py: request validation, prompt rendering, constraint schemas, parsing and streaming."""
+"""router/tool_schema.py and router/tool_calls.py: request checks, prompt rendering, constraint schemas, parsing
+and streaming."""
 from __future__ import annotations
 
 import json
@@ -12,19 +13,20 @@ from openai.types.chat import ChatCompletionChunk
 from pydantic import TypeAdapter
 
 from conveyor.router.tool_calls import (
-    NamedToolChoice,
-    Tool,
     ToolCallStreamer,
-    ToolChoice,
-    check_tools,
     finish_reason_for,
-    named_schema,
     parse_auto,
     parse_named,
     parse_required,
+)
+from conveyor.router.tool_schema import (
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    check_tools,
+    named_schema,
     render_messages,
     required_schema,
-    template_supports_tools,
 )
 
 WEATHER = {
@@ -140,13 +142,6 @@ def test_render_system_section_placement() -> None:
     )
 
 
-def test_template_supports_tools() -> None:
-    assert template_supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
-    assert not template_supports_tools("{% for message in messages %}<|im_start|>{% endfor %}")
-    assert not template_supports_tools(None)
-
-
-# ---- constraint schemas -------------------------------------------------------------------------------
 def _valid(schema: dict, value: object) -> bool:
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema).is_valid(value)
