@@ -182,15 +182,19 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_engine_process_spins_briefly_at_barriers(engine):
-    """Its OpenMP threads sleep after a short spin (engine_process.ENGINE_OMP_SPIN_COUNT), unless the environment
-    says otherwise."""
-    from conveyor.serving.engine_process import ENGINE_OMP_SPIN_COUNT, engine_child_env
+    """Its OpenMP threads sleep after a short spin (engine_process.ENGINE_OMP_SPIN_COUNT on GNU's runtime,
+    ENGINE_KMP_BLOCKTIME_MS on Intel's), unless the environment says otherwise."""
+    from conveyor.serving.engine_process import ENGINE_KMP_BLOCKTIME_MS, ENGINE_OMP_SPIN_COUNT, engine_child_env
 
     environ = open(f"/proc/{engine._process.pid}/environ", "rb").read().split(b"\0")
-    expected = os.environ.get("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
-    assert f"GOMP_SPINCOUNT={expected}".encode() in environ
+    expected_spins = os.environ.get("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
+    expected_blocktime = os.environ.get("KMP_BLOCKTIME", ENGINE_KMP_BLOCKTIME_MS)
+    assert f"GOMP_SPINCOUNT={expected_spins}".encode() in environ
+    assert f"KMP_BLOCKTIME={expected_blocktime}".encode() in environ
     gnu = {"CONVEYOR_ENGINE_OPENMP": "gnu"}
-    assert engine_child_env({"GOMP_SPINCOUNT": "5", "A": "b"} | gnu) == {"GOMP_SPINCOUNT": "5", "A": "b"} | gnu
+    told = {"GOMP_SPINCOUNT": "5", "KMP_BLOCKTIME": "200", "A": "b"}
+    assert engine_child_env(told | gnu) == told | gnu
+    assert engine_child_env({"A": "b"} | gnu) == {"A": "b", "GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"} | gnu
 
 
 def test_the_child_runs_on_intel_s_openmp_when_it_is_installed(engine):
