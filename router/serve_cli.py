@@ -122,11 +122,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from conveyor.router.app import ServeArgs, build_app
     from conveyor.serving.openmp_runtime import child_openmp_env
+    from conveyor.serving.priority import ray_batch_setting, run_children_as_batch
 
     settings = serve_args_from(args, parser)
     cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
     try:
         child_openmp_env(os.environ)  # as the replica will read it: a bad CONVEYOR_ENGINE_OPENMP fails here
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        batch = ray_batch_setting() and cfg.engine_process  # an engine on a replica thread would be batch too
     except ValueError as exc:
         parser.error(str(exc))
     if "num_cpus" not in settings and _single_cpu_replica(cfg):
@@ -135,6 +140,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.monotonic()
     # Logical CPUs: let the requested replicas fit even where they oversubscribe a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
+    if batch:
+        run_children_as_batch()  # Ray's processes inherit it; the engine process leaves it (serving/priority.py)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
              runtime_env={"env_vars": env})
     if not args.verbose:

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.priority import engine_niceness_setting, set_engine_priority
+from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ def main() -> None:
     """`python -m conveyor.serving.engine_core_loop FD`: FD is this process's end of the parent's socket pair."""
     conn = Connection(int(sys.argv[1]))
     # Before any thread exists: threads start at their creator's niceness (serving/priority.py says why).
+    leave_batch_policy()
     set_engine_priority(engine_niceness_setting())
     try:
         kind, config, torch_num_threads = conn.recv()

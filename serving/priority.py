@@ -10,6 +10,12 @@ priority. It therefore runs its start-up at the engine's niceness and returns to
 
 Linux niceness is per thread, and a new thread starts at its creator's niceness. Lowering it needs CAP_SYS_NICE
 (root has it); without it everything stays at Ray's niceness, logged.
+
+`conveyor serve` also starts its local Ray under SCHED_BATCH (`run_children_as_batch`): a batch thread that wakes
+does not preempt the thread running on its core, it waits for that thread's slice to end or for it to sleep. Ray's
+~100 wake-ups a second per worker (its core worker's 10 ms signal check) then stop breaking into the engine's
+OpenMP team mid-region; they still get their share of CPU, unlike SCHED_IDLE, which starved the path (RESULTS.md,
+sessions 12 and 26). The engine process goes back to the normal policy (`leave_batch_policy`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_NICE = 0
+RAY_BATCH_ENV = "CONVEYOR_RAY_SCHED_BATCH"
 
 
 def engine_niceness_setting() -> str:
@@ -84,3 +91,36 @@ def _niceness(tid: int) -> int | None:
 
 def _thread_ids() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/task")}
+
+
+def ray_batch_setting() -> bool:
+    """CONVEYOR_RAY_SCHED_BATCH: "1" (default) starts `conveyor serve`'s local Ray under SCHED_BATCH, "0" not."""
+    value = os.environ.get(RAY_BATCH_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{RAY_BATCH_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def run_children_as_batch() -> bool:
+    """Put the calling thread under SCHED_BATCH, at its niceness, so that every process it starts from now on
+    inherits it. False where the platform has no such policy or refuses it (logged)."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        return True
+    except OSError as exc:
+        logger.warning("Ray's processes stay under the normal scheduling policy: %s", exc)
+        return False
+
+
+def leave_batch_policy() -> None:
+    """The engine process runs under the normal policy whatever it inherited: its threads must take a core as
+    soon as they wake. Call it before any thread exists (threads inherit their creator's policy)."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        if os.sched_getscheduler(0) in (os.SCHED_BATCH, os.SCHED_IDLE):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError as exc:  # leaving SCHED_IDLE can need CAP_SYS_NICE
+        logger.warning("the engine process keeps its inherited scheduling policy: %s", exc)

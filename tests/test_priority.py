@@ -62,3 +62,51 @@ def test_no_change_unless_the_setting_is_a_lower_niceness(setting: str) -> None:
     result = probe(setting)
     assert result["inside"] == 5
     assert set(result["during"].values()) == set(result["after"].values()) == {5}
+
+
+# A process that asks for SCHED_BATCH, starts a child (as `conveyor serve` starts Ray), and a grandchild that leaves
+# the policy (as the engine process does): each prints its own policy.
+BATCH_PROBE = """
+import json, os, subprocess, sys
+from conveyor.serving.priority import run_children_as_batch
+ok = run_children_as_batch()
+child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout
+print(json.dumps({"ok": ok, "self": os.sched_getscheduler(0), "child": json.loads(child)}))
+"""
+CHILD = """
+import json, os
+from conveyor.serving.priority import leave_batch_policy
+inherited = os.sched_getscheduler(0)
+leave_batch_policy()
+print(json.dumps({"inherited": inherited, "after": os.sched_getscheduler(0)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies are Linux's")
+def test_ray_starts_under_sched_batch_and_the_engine_process_leaves_it() -> None:
+    import os
+
+    probe = f"CHILD = {CHILD!r}\n" + BATCH_PROBE
+    out = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["ok"] and out["self"] == os.SCHED_BATCH
+    assert out["child"] == {"inherited": os.SCHED_BATCH, "after": os.SCHED_OTHER}
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_the_ray_batch_setting(monkeypatch, value: str | None, expected: bool) -> None:
+    from conveyor.serving.priority import RAY_BATCH_ENV, ray_batch_setting
+
+    if value is None:
+        monkeypatch.delenv(RAY_BATCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RAY_BATCH_ENV, value)
+    assert ray_batch_setting() is expected
+
+
+def test_a_bad_ray_batch_setting_is_refused(monkeypatch) -> None:
+    from conveyor.serving.priority import RAY_BATCH_ENV, ray_batch_setting
+
+    monkeypatch.setenv(RAY_BATCH_ENV, "yes")
+    with pytest.raises(ValueError, match=RAY_BATCH_ENV):
+        ray_batch_setting()
