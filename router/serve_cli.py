@@ -126,11 +126,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     settings = serve_args_from(args, parser)
     cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
-    try:
-        child_openmp_env(os.environ)  # as the replica will read it: a bad CONVEYOR_ENGINE_OPENMP fails here
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
+    try:  # bad engine settings in the environment fail here, as the replica would read them
+        child_openmp_env(os.environ)
         batch = ray_batch_setting() and cfg.engine_process  # an engine on a replica thread would be batch too
     except ValueError as exc:
         parser.error(str(exc))

@@ -21,7 +21,7 @@ IDLE_POLL_S = 0.5  # an idle engine blocks on the pipe; this only bounds how lon
 def main() -> None:
     """`python -m conveyor.serving.engine_core_loop FD`: FD is this process's end of the parent's socket pair."""
     conn = Connection(int(sys.argv[1]))
-    # Before any thread exists: threads start at their creator's niceness (serving/priority.py says why).
+    # Before any thread exists: threads start at their creator's policy and niceness (serving/priority.py says why).
     leave_batch_policy()
     set_engine_priority(engine_niceness_setting())
     try:

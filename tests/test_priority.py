@@ -3,6 +3,7 @@ started meanwhile, not the threads that were there before (serving/priority.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -84,8 +85,6 @@ print(json.dumps({"inherited": inherited, "after": os.sched_getscheduler(0)}))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduling policies are Linux's")
 def test_ray_starts_under_sched_batch_and_the_engine_process_leaves_it() -> None:
-    import os
-
     probe = f"CHILD = {CHILD!r}\n" + BATCH_PROBE
     out = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                     check=True).stdout)
