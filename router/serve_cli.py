@@ -128,7 +128,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
     try:  # bad engine settings in the environment fail here, as the replica would read them
         child_openmp_env(os.environ)
-        batch = ray_batch_setting() and cfg.engine_process  # an engine on a replica thread would be batch too
+        ray_as_batch = ray_batch_setting()
     except ValueError as exc:
         parser.error(str(exc))
     if "num_cpus" not in settings and _single_cpu_replica(cfg):
@@ -137,7 +137,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.monotonic()
     # Logical CPUs: let the requested replicas fit even where they oversubscribe a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
-    if batch:
+    if ray_as_batch and cfg.engine_process:  # an engine on a replica thread would run batch too
         run_children_as_batch()  # Ray's processes inherit it; the engine process leaves it (serving/priority.py)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
              runtime_env={"env_vars": env})

@@ -141,8 +141,8 @@ def test_ray_runs_under_sched_batch_and_the_engine_does_not(server) -> None:
     """Ray's processes inherit the driver's SCHED_BATCH (a waking one waits for the engine's slice instead of
     preempting it); every thread of the engine process runs under the normal policy (serving/priority.py)."""
     _, proc, before = server
-    ray_pids = [pid for pid, parent, cmd in _processes() if parent == proc.pid and "gcs_server" in cmd]
-    ray_pids += [pid for pid, _, cmd in _processes() if cmd.startswith("ray::ServeRepli")]
+    ray_pids = [pid for pid, parent, cmd in _processes()
+                if (parent == proc.pid and "gcs_server" in cmd) or cmd.startswith("ray::ServeRepli")]
     assert len(ray_pids) >= 2, "the GCS and a replica"
     assert {os.sched_getscheduler(pid) for pid in ray_pids} == {os.SCHED_BATCH}
     engine = _engine_pids() - before
