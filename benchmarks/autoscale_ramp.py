@@ -1,6 +1,6 @@
 """Load ramp against a Conveyor deployment: autoscaling versus a fixed single replica.
 
-    python benchmarks/autoscale_ramp.py --model <dir or smollm2> [--served-name m] [--out benchmarks/results]
+    python benchmarks/autoscale_ramp.py --model <dir or smollm2> [--served-name m] [--out benchmarks/out]
 
 Starts a local Ray + Serve, deploys the model twice in turn (fixed: 1 replica; autoscaling: 1..N replicas
 with conveyor's queue + latency policy), and runs the same ramp against each: light load, a step to heavy
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -231,10 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail-s", type=float, default=25)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=4)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=os.environ.get("CONVEYOR_ARTIFACTS") or "benchmarks/out")
     args = parser.parse_args(argv)
 
-    import os
     import socket
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -17,11 +17,12 @@ The two libraries sit behind one interface in grammar_adapters.py; the refusal a
 grammar_probes.py.
 
     .venv/bin/pip install xgrammar==0.2.9              # not a dependency of Conveyor: only this comparison needs it
-    .venv/bin/python benchmarks/grammar_libs.py        # table on stdout, JSON to benchmarks/results/grammar_libs.json
+    .venv/bin/python benchmarks/grammar_libs.py        # table on stdout, JSON to benchmarks/out/grammar_libs.json
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import threading
@@ -53,7 +54,8 @@ from benchmarks.grammar_probes import bad_inputs, ingress_validation, other_form
 from tests.structured_cases import SCHEMA_CASES, SchemaCase, check_valid_instances  # noqa: E402
 
 MODEL = Path("~/.cache/conveyor/models/SmolLM2-135M-Instruct").expanduser()
-OUT = Path(__file__).resolve().parent / "results" / "grammar_libs.json"
+# benchmarks/out/ is git-ignored; $CONVEYOR_ARTIFACTS, when set, takes the results instead
+OUT = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out") / "grammar_libs.json"
 REPS = 3
 BATCH = 32
 BATCH_STEPS = 40

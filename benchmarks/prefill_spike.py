@@ -26,7 +26,7 @@ from conveyor.bench.metrics import RequestResult, distribution  # noqa: E402
 from conveyor.bench.plots import plot_itl_timeline  # noqa: E402
 from conveyor.bench.workload import build_requests  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out")  # git-ignored
 
 
 async def decode_stream(engine, idx: int, deadline: float, t0: float, out_len: int,  # noqa: ANN001

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from conveyor.bench.workload import (  # noqa: E402
     sharegpt_like_lengths,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out")  # git-ignored
 
 
 async def run_point(name: str, budget: int, slo: float | None, rate: float, args: argparse.Namespace) -> dict:

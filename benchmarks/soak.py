@@ -8,7 +8,7 @@ replica ids and pids), and each replica's RSS must level off (see run_soak for w
 
     .venv/bin/python benchmarks/soak.py [--requests 2000] [--phases 4] [--concurrency 16] [--replicas 2]
 
-Results: benchmarks/results/soak.json. Exit status 1 if any check fails.
+Results: benchmarks/out/soak.json ($CONVEYOR_ARTIFACTS/soak.json when set). Exit status 1 if any check fails.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: to
 
 import httpx  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "soak.json"
+# benchmarks/out/ is git-ignored; $CONVEYOR_ARTIFACTS, when set, takes the results instead
+RESULTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out") / "soak.json"
 OK_OUTCOMES = ("completed", "disconnected", "aborted", "rejected_429", "rejected_503")
 WORDS = "the quick brown fox jumps over lazy dog paged attention keeps blocks héllo 日本語 🙂".split()
 

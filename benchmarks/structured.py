@@ -10,7 +10,7 @@
    arrive; the step time before and while their compiles are pending (p50/max).
 
     .venv/bin/python benchmarks/structured.py                       # ~8 min on 2 cores
-    .venv/bin/python benchmarks/structured.py --json benchmarks/results/structured.json
+    .venv/bin/python benchmarks/structured.py --json benchmarks/out/structured.json
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 - the same past the drain limit: streams still running when it expires end with an SSE error event and [DONE], and
   the ingress counts them (conveyor_requests_cut_total);
 - a rolling update (a changed engine setting restarts every replica, the ingress included): no request fails, and
-  the latency during the update is reported next to the steady state (benchmarks/results/drills/).
+  the latency during the update is reported next to the steady state (conftest.write_artifact).
 """
 from __future__ import annotations
 

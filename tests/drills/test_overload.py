@@ -38,7 +38,7 @@ BODY = {"prompt": "overload drill prompt", "max_tokens": 384, "ignore_eos": True
 OVERLOAD_FACTOR = 3.0
 OVERLOAD_S = 8.0
 # Timing targets (admitted p99 within 2x of unloaded, 429s within ~1 s) are benchmark figures, printed and written
-# to benchmarks/results/drills/overload.json; a test on a shared 2-core host only asserts what cannot flake: a
+# to drills/overload.json (conftest.write_artifact); a test on a shared 2-core host only asserts what cannot flake: a
 # refusal never hangs (well under the admitted requests' latency), the queue stays bounded, nothing leaks.
 NO_HANG_429_S = 5.0
 

@@ -1,7 +1,7 @@
 """Replica kill under sustained load, beyond tests/serve/test_replicas.py (which checks that nothing is lost that
 had not started streaming): here the fleet must return to full strength (two RUNNING replicas, one of them new,
 serving traffic) within a deadline, and the latency of requests during the recovery window is reported next to
-the steady-state latency (benchmarks/results/drills/replica_kill.json)."""
+the steady-state latency (drills/replica_kill.json: conftest.write_artifact)."""
 from __future__ import annotations
 
 import threading

@@ -1,6 +1,6 @@
 """A wedged engine (alive, with work, but no step completing) fails its replica's health check and Serve replaces
 the replica; /ready is 200 while an engine serves and 503 while none can. The time from the stall to a new replica
-serving is reported (benchmarks/results/drills/wedged_engine.json)."""
+serving is reported (drills/wedged_engine.json under $CONVEYOR_ARTIFACTS or the temp dir)."""
 from __future__ import annotations
 
 import time

@@ -1,10 +1,11 @@
 """Autoscaling end to end with the tiny model: 1 replica at rest, more under a load beyond the queue target,
 back to 1 once the load stops. The timeline (replicas and client-side p99 over time) is kept as an artifact
-(JSON + PNG) under benchmarks/results/ (or $CONVEYOR_ARTIFACTS)."""
+(JSON + PNG) under $CONVEYOR_ARTIFACTS, else under the system's temp dir (conveyor-artifacts/)."""
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,8 @@ from benchmarks.autoscale_ramp import Load, ReplicaWatcher, Timeline, plot
 from tests.metrics.conftest import deploy, wait_for
 
 APP, PREFIX, MODEL = "metrics-autoscale", "/metrics-autoscale", "tiny-autoscale"
-ARTIFACTS = Path(os.environ.get("CONVEYOR_ARTIFACTS",
-                                Path(__file__).resolve().parents[2] / "benchmarks" / "results"))
+# Never a tracked path: a test run must leave the checkout clean.
+ARTIFACTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(tempfile.gettempdir()) / "conveyor-artifacts")
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 2,
                # generous SLOs: this test drives scaling by queue depth (the tiny model is fast)
                "ttft_p99_slo_s": 30.0, "itl_p99_slo_s": 5.0,
