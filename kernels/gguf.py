@@ -23,12 +23,10 @@ TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 
 def default_max_rows() -> int:
     """The largest step (in tokens) that reads the GGUF quants rather than the packed fp32 weights, by SIMD level.
-    The interleaved kernel beats oneDNN's packed fp32 on SmolLM2's linears up to ~64 rows on both CPUs measured:
-    - AVX-512 (AMD EPYC Zen 5, 2 threads): equal at 128, fp32 ahead at 256; a batch-64 decode step 40.5 against
-      49.4 ms (RESULTS.md, "Session 11");
-    - AVX2 (AMD EPYC Zen 3, 2 threads): decode steps at batch 16 / 32 / 64 take 96-100 / 182-206 / 369-372 ms
-      against 166-177 / 226-228 / 369-409 ms with 8 (RESULTS.md, "Session 17"; was 8, set before this kernel).
-    Without AVX2 the portable kernel runs: 8."""
+    The interleaved kernel beats oneDNN's packed fp32 on SmolLM2's linears up to ~64 rows with AVX-512 and with
+    AVX2 (fp32 is ahead from 128 rows on AVX2, from 256 on AVX-512), so decode steps of up to 64 rows read the
+    quants (figures: benchmarks/RESULTS.md, "Defaults and the measurements behind them"). Without AVX2 the
+    portable kernel runs: 8."""
     return 64 if torch.backends.cpu.get_cpu_capability() in cpu_ext.VEC_CAPABILITIES else 8
 
 
@@ -106,8 +104,8 @@ def prepare(weight: torch.Tensor, ggml_type: int, in_features: int) -> GGUFWeigh
 
 
 # Steps of up to this many rows run over GGUF's own rows of blocks (gguf_rows_cpu.cpp), larger ones over the
-# feature-interleaved layout (gguf_linear_cpu.cpp): the crossovers measured on SmolLM2's shapes (AMD EPYC Zen 5,
-# 2 threads; RESULTS.md, "Session 11"). The interleaved kernel is 1.4-1.5x faster at 8-32 rows.
+# feature-interleaved layout (gguf_linear_cpu.cpp): the crossovers on SmolLM2's shapes, where the interleaved kernel
+# is 1.4-1.5x faster at 8-32 rows (benchmarks/RESULTS.md, "Defaults and the measurements behind them").
 ROWS_KERNEL_MAX_ROWS = {Q4_1: 3, Q8_0: 6}
 
 

@@ -31,8 +31,9 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
 
     By default the ingress replica listens on `port` itself ("direct ingress"): no Serve HTTP proxy process
     re-sends every SSE chunk through a Ray call, user code runs on the replica's own event loop, and handles
-    talk gRPC. At saturation the proxy and the thread hops cost ~1 ms of CPU per streamed token on this path
-    (benchmarks/RESULTS.md, "Session 5"). `--http-proxy` keeps Serve's proxy (several apps under one port).
+    talk gRPC. At saturation the proxy and the thread hops are most of the path's CPU per streamed token
+    (figures: benchmarks/RESULTS.md, "Defaults and the measurements behind them"). `--http-proxy` keeps Serve's
+    proxy (several apps under one port).
     A value already in the environment wins.
     """
     quiet = ray_background_env()
@@ -52,14 +53,14 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
 
 def ray_background_env() -> dict[str, str]:
     """Slower reports from Ray's own bookkeeping, which a local server only needs for `ray` CLI views: an idle
-    `conveyor serve` then takes 0.069 cores instead of 0.089 (benchmarks/idle_cpu.py). On a small CPU machine each
-    CPU-second elsewhere costs the engine's OpenMP team about two (RESULTS.md, "Session 9"). Ray's own metrics
+    `conveyor serve` then takes less CPU. On a small CPU machine each CPU-second elsewhere costs the engine's
+    OpenMP team about two: the partner thread waits at the next barrier. Ray's own metrics
     (ray_* series, not the conveyor_* ones, which replicas serve themselves) export every 60 s instead of 10;
     task events (`ray list tasks`) every 10 s instead of 1; Serve's cached metrics every 1 s instead of 0.1; no
     event-loop statistics in Ray's C++ components. The dashboard agent samples every Ray process's CPU and memory
     for those ray_* series every 60 s instead of 5, and checks that its raylet lives every 2 s instead of 0.4 (it
     gives the raylet 5 s); no idle worker is started ahead of need, for the driver or later (a replica's start
-    measured the same without it). Those: 0.054 -> 0.042 cores idle (session 23)."""
+    measures the same without it). Idle figures: benchmarks/RESULTS.md, "Defaults and the measurements behind them"."""
     return {"RAY_metrics_report_interval_ms": "60000", "RAY_task_events_report_interval_ms": "10000",
             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_event_stats": "0",
             "REPORTER_UPDATE_INTERVAL_MS": "60000", "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S": "2",
@@ -181,8 +182,8 @@ def _free_port(host: str) -> int:
 
 def _stop_log_monitor() -> None:
     """Ray's log monitor exists to stream the workers' output to the driver, which `log_to_driver=False` turns
-    off, yet it still polls the log directory ten times a second: 0.009 cores of an idle server, more than the
-    GCS and the raylet together (benchmarks/idle_cpu.py). `ray.init` cannot leave it out (`ray start
+    off, yet it still polls the log directory ten times a second: the largest of Ray's system processes on an
+    idle server, more than the GCS and the raylet together. `ray.init` cannot leave it out (`ray start
     --include-log-monitor=false` can), so it is stopped once started; the logs stay in /tmp/ray/session_*/logs."""
     from ray._private import worker as ray_worker
 

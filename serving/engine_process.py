@@ -51,11 +51,11 @@ QUERY_TIMEOUT_S = 30.0
 # How long an idle OpenMP thread of the engine spins before it sleeps. Behind a server the engine shares the cores
 # with the replica, the ingress, Ray and the client: a thread that spins at a barrier while its partner was preempted
 # burns the core the preempting process needs, and its partner waits for a core meanwhile. A short spin gives the core
-# back (and lets the partner move onto it). On GNU's runtime: 10 000 iterations instead of libgomp's 300 000 (at
-# saturation on 2 cores, 239 against 228 output tok/s: benchmarks/RESULTS.md "Session 9"). On Intel's, which the
-# child prefers (openmp_runtime.py): KMP_BLOCKTIME 1 ms instead of 200 (on a 2-core Zen 3, six interleaved pairs at
-# saturation: median 131.8 against 124.7 output tok/s, engine CPU for the same work -6%: "Session 25"; session 16's
-# two pairs on another CPU had been inconclusive). A value already set wins.
+# back (and lets the partner move onto it). On GNU's runtime: 10 000 iterations instead of libgomp's 300 000. On
+# Intel's, which the child prefers (openmp_runtime.py): KMP_BLOCKTIME 1 ms instead of 200; sleeping at once (0) is
+# worse, since every barrier then waits on a futex wake. Both raise output tok/s at saturation on 2 cores, and 1 ms
+# also cuts the engine's CPU for the same work (figures: benchmarks/RESULTS.md, "Defaults and the measurements
+# behind them"). A value already set wins.
 ENGINE_OMP_SPIN_COUNT = "10000"
 ENGINE_KMP_BLOCKTIME_MS = "1"
 

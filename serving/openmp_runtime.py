@@ -2,9 +2,9 @@
 
 torch's CPU wheel and our kernels are built against GNU OpenMP (libgomp). Intel's runtime (libiomp5, the PyPI
 package `intel-openmp`) serves the same GOMP entry points, and preloaded it replaces libgomp for every parallel
-region of the process, as vLLM's CPU guide and Intel's PyTorch guide recommend. On 2 cores it made the engine
-faster in process (+3-4%) and more so behind `conveyor serve` (+5-9%), where Ray's processes keep taking the
-engine's cores (benchmarks/RESULTS.md, "Session 16").
+region of the process, as vLLM's CPU guide and Intel's PyTorch guide recommend. It makes the engine faster in
+process, and more so behind `conveyor serve`, where Ray's processes keep taking the engine's cores: its threads
+lose less to those preemptions (figures: benchmarks/RESULTS.md, "Defaults and the measurements behind them").
 
 A runtime is chosen when a process starts (LD_PRELOAD), so only the engine's child process, which we start, gets
 it. An in-process `LLM` runs on whichever runtime its process started with.

@@ -1,8 +1,9 @@
 """A per-step trace for diagnosis: CONVEYOR_STEP_TRACE=FILE appends one JSON line per engine step to FILE.
 
 The Prometheus histograms say how long steps take on average; comparing two set-ups needs the steps themselves:
-the same workload behind `conveyor serve` and in process ran the same 162 steps, and only a trace of each showed
-that the served ones were slower at equal batch composition (benchmarks/RESULTS.md, "Session 12"). A line holds
+the same workload behind `conveyor serve` and in process runs the same steps, and only a trace of each shows
+whether the served ones are slower at equal batch composition (and whether the engine waits between steps,
+or spins). A line holds
 the step's EngineStepStats (timings included), `t` (time.monotonic(), comparable across processes on one host)
 and `cpu_s`, the CPU this process used since the previous step (all its threads: more than 2x the step time on
 two cores means threads spun or were stalled, not computing). Off unless the variable is set.

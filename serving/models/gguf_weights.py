@@ -24,8 +24,9 @@ from conveyor.kernels import gguf
 logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
-# Steps with more rows than this use the fp32 weights: from ~8 rows a Q4_1 GEMM is compute-bound on expanding
-# blocks, and oneDNN's packed fp32 GEMM is faster (benchmarks/RESULTS.md, session 6).
+# Steps with more rows than this use the fp32 weights. The default for callers that pass no max_rows, and the
+# portable kernel's crossover: there, from ~8 rows, a Q4_1 GEMM is compute-bound on expanding blocks and oneDNN's
+# packed fp32 GEMM is faster. The engine passes kernels.gguf.default_max_rows() (64 with AVX2 or AVX-512).
 DEFAULT_MAX_ROWS = 8
 
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

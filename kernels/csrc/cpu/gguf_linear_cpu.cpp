@@ -433,7 +433,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const c10::Half* sp = scales.data_ptr<at::Half>();
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // CONVEYOR_GGUF_EXPAND_MIN_ROWS overrides it, for A/B runs (benchmarks/RESULTS.md, "Session 20").
+  // CONVEYOR_GGUF_EXPAND_MIN_ROWS overrides it, for A/B runs (benchmarks/RESULTS.md has the crossover).
   static const int64_t expand_min_rows = [] {
     const char* env = std::getenv("CONVEYOR_GGUF_EXPAND_MIN_ROWS");
     return env ? std::atoll(env) : kDefaultExpandMinRows;
