@@ -8,7 +8,6 @@ SSE chunk leaves as soon as the first token exists.
 
 import asyncio
 import hmac
-import json
 import logging
 from typing import Any
 
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from conveyor.router import json_limits
 from conveyor.router.errors import ApiError, from_validation, install_handlers
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
 from conveyor.router.protocol import (
@@ -43,6 +43,7 @@ class IngressSettings(BaseModel):
     model_name: str
     model_aliases: list[str] = []
     api_key: str | None = None
+    api_key_file: str | None = None  # read by the ingress at start where api_key is unset (a mounted Secret)
     max_body_bytes: int = 1 << 20
     replica_wait_timeout_s: float = 30.0
     ready_timeout_s: float = 2.0
@@ -82,6 +83,10 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
         self.engine = engine
+        if settings.api_key is None and settings.api_key_file:  # read here: the key is in no Serve config
+            from conveyor.router.api_key import read_api_key_file
+
+            settings = settings.model_copy(update={"api_key": read_api_key_file(settings.api_key_file)})
         self.settings = settings
         # Metrics: this process' registry on its own port, plus the fleet's replica-count gauges; the list of
         # every replica's endpoint is served below for Prometheus service discovery.
@@ -183,11 +188,13 @@ class Ingress:
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
         body = await self._read_body(request)
         try:
-            data = json.loads(body.decode("utf-8"))
+            text = body.decode("utf-8")
         except UnicodeDecodeError:
             raise ApiError.invalid("request body is not valid UTF-8", code="invalid_encoding") from None
-        except json.JSONDecodeError as exc:
-            raise ApiError.invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        try:
+            data = json_limits.loads(text)  # depth, digit limit, NaN, lone surrogates: all a 400
+        except ValueError as exc:
+            raise ApiError.invalid(str(exc), code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError.invalid("request body must be a JSON object", code="invalid_json")
         try:

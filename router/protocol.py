@@ -15,7 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from conveyor.router import tool_schema
 from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
 from conveyor.router.tool_schema import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
-from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams, StructuredOutputsParams
+from conveyor.serving.request import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SAMPLING_DEFAULT_KEYS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
@@ -61,7 +67,8 @@ class _SamplingRequest(_Lenient):
     include_stop_str_in_output: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension
+    # vLLM's extension; vLLM takes any value > 0, but one near 0 or huge overflows float32 logits (request.py).
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM's extension
     # OpenAI's: token id (JSON keys are strings, "50256") -> bias added to its logit.
     logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None

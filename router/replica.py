@@ -136,9 +136,10 @@ class EngineReplica:
             stream = self.engine.generate(prompt, params, request.get("request_id"), coalesce=True)
             start = time.monotonic()
             output = await anext(stream)
-            if output.finish_reason == "error":  # ended before its first token: its grammar did not compile
-                raise ValueError("the request's structured-output constraint could not be compiled for this "
-                                 "model (see the replica log)")
+            if output.finish_reason == "error":  # ended before its first token
+                raise ValueError("the request ended before its first token: its structured-output constraint "
+                                 "could not be compiled for this model, or its settings left no token to sample "
+                                 "(see the replica log)")
         except QueueFullError as exc:
             self.metrics.observe_rejected("queue_full")
             yield {"error": "queue_full", "message": str(exc), "retry_after_s": exc.retry_after_s}

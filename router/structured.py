@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from conveyor.router import json_limits
 from conveyor.serving import grammar
 from conveyor.serving.request import StructuredOutputsParams
 
@@ -76,11 +77,8 @@ class StructuredOutputsRequest(_Lenient):
     def _to_params(self) -> StructuredOutputsParams:
         if self.json_ is not None:
             schema = self.json_
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if isinstance(schema, str):  # its nesting is bounded as the body's is
+                schema = json_limits.loads(schema, what="structured_outputs.json")
             if not isinstance(schema, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
             return checked(StructuredOutputsParams("json", canonical_json(schema)))

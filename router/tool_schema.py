@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from conveyor.router import json_limits
+
 _NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -54,6 +56,19 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class _CalledFunction(_Lenient):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _check_arguments(cls, v: str) -> str:
+        # Arguments that are not JSON are embedded as text (_call_block); JSON nested past the body's limit, or
+        # holding a lone surrogate, is refused: rendering it would recurse, or fail in the tokenizer.
+        try:
+            json_limits.loads(v, what="tool call arguments")
+        except json_limits.JsonLimitError:
+            raise
+        except ValueError:
+            pass
+        return v
 
 
 class AssistantToolCall(_Lenient):

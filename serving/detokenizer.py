@@ -189,5 +189,12 @@ def tokenize(tokenizer: Any, prompt: str | list[int]) -> list[int]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """Chat messages as the prompt text the model was tuned on, ending where the assistant's turn begins."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    """Chat messages as the prompt text the model was tuned on, ending where the assistant's turn begins. A
+    template that refuses the messages (raise_exception on a role order, as Llama 2's and Mistral's do) raises
+    ValueError: the client's input, not a server fault."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise ValueError(f"the model's chat template refused these messages: {exc}") from None

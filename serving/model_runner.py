@@ -136,7 +136,11 @@ class ModelRunner:
             token_ids, with_logprobs = argmax(logits.float()).tolist(), {}
         else:
             token_ids, with_logprobs = self._sample(logits, requests)
-        last_sampled.update(zip(request_ids, token_ids, strict=True))
+        if min(token_ids) < 0:  # NO_TOKEN: a row without a finite logit; the scheduler ends its request
+            # A step scheduled meanwhile (async scheduling) may feed it as the next input: give it a real id.
+            last_sampled.update((rid, max(t, 0)) for rid, t in zip(request_ids, token_ids, strict=True))
+        else:
+            last_sampled.update(zip(request_ids, token_ids, strict=True))
         timings.sample_s = time.perf_counter() - forward_end
         return ModelRunnerOutput(dict(zip(request_ids, token_ids, strict=True)),
                                  {request_ids[row]: s for row, s in with_logprobs.items()}, timings)

@@ -98,7 +98,8 @@ class OutputProcessor:
                 delta += detok.flush()
                 del states[request_id]
                 del times_of[request_id]
-            sampled = logprobs.get(row)
+            # A row without a token (a failed request) reports no logprobs: the sampler drew nothing for it.
+            sampled = logprobs.get(row) if new_ids else None
             # Positional, in RequestOutput's field order: matching 13 keywords cost ~1.2 us a row (Zen 3).
             outputs.append(RequestOutput(
                 request_id, delta, new_ids, detok.text, detok.output_token_ids, times.num_prompt_tokens,

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 MIN_SAMPLING_TEMPERATURE = 1e-5
+# The ranges float32 sampling carries without overflow (docs/limits.md): logits of magnitude ~1e3 (bias included)
+# divided by a temperature or a repetition penalty stay far from float32's 3.4e38, and a penalty never rounds
+# to 0 or inf. Outside them a request is refused (ValueError; HTTP 400 at the router).
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch.Generator's manual_seed takes
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The sampling settings a model's generation_config.json may recommend, applied to requests that leave them
 # unset (the ones vLLM takes from a generation config).
@@ -62,8 +68,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -80,8 +88,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):  # vLLM's: > 0
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails too
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if any(t < 0 for t in self.stop_token_ids):  # a negative id would index another row's logits
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         for token_id, value in self.logit_bias:

@@ -7,6 +7,12 @@ neighbours or its row position; everything else is vectorized across rows.
 On CPU the sampled rows go to one C++ kernel (kernels/csrc/cpu/sampling_cpu.cpp) when it is built: the same
 distribution from the same one uniform per row, without torch's top-k, logsumexp and sort over the vocabulary
 (a 64-row step over SmolLM2's 49k vocabulary: 7-26 ms in torch). Elsewhere, and without the kernel, torch.
+
+A row whose logits have no finite maximum (a NaN anywhere, every token masked to -inf, a +inf) has no
+distribution: it gets NO_TOKEN, never an id outside the vocabulary, and the scheduler ends that request with
+finish reason "error"; the step's other rows are sampled as if it were not there. The kernel finds such rows
+while it takes each row's maximum; the torch path checks the rows' maxima first. Logprobs are finite: -inf
+(a token a grammar masks) is reported as LOGPROB_FLOOR, as vLLM's API clamps it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator.manual_seed(seed)
     return generator
 
+
+# The token id of a row that has none to sample (see the module's docstring); the kernel's kNoToken.
+NO_TOKEN = -1
+# The smallest logprob reported: -inf is not JSON (vLLM's OpenAI server clamps to the same value).
+LOGPROB_FLOOR = -9999.0
 
 # Candidates per row for top-k/top-p: a top-k over them replaces a sort of the whole vocabulary (49k for SmolLM2:
 # a sort of 64 rows took 170 ms on 2 cores, the top-k ~4 ms).
@@ -57,6 +68,10 @@ class Sampler:
         if not params:
             return [], {}
         logits = logits.float()
+        # The kernel marks rows without a finite maximum itself; torch's ops would sample past the vocabulary.
+        invalid = None if _uses_kernel(logits) else invalid_rows(logits)
+        if invalid is not None:
+            logits = logits.masked_fill(invalid.unsqueeze(1), 0.0)  # any finite row: its draw is discarded
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sample_rows) == len(params):
             tokens = self._sample(logits, params, generators)
@@ -68,6 +83,8 @@ class Sampler:
                 tokens[rows] = self._sample(logits.index_select(0, rows),
                                             [params[i] for i in sample_rows],
                                             [generators[i] for i in sample_rows])
+        if invalid is not None:
+            tokens = tokens.masked_fill(invalid, NO_TOKEN)
         return _to_outputs(logits if logprob_logits is None else logprob_logits.float(), tokens, params)
 
     def default_generator(self, device: torch.device) -> torch.Generator:
@@ -168,6 +185,18 @@ def _cpu_kernel() -> bool:
     return cpu_ext.has_op("sample_rows")
 
 
+def _uses_kernel(logits: Tensor) -> bool:
+    """Whether both of the step's paths (argmax and sampling) run in the CPU kernel, which marks invalid rows."""
+    return logits.device.type == "cpu" and logits.stride(-1) == 1 and _cpu_kernel()
+
+
+def invalid_rows(logits: Tensor) -> Tensor | None:
+    """A bool mask of the rows whose maximum is not finite (NaN, all -inf, +inf), or None when every row is
+    fine (the common case; one reduction over the rows on the torch path)."""
+    invalid = ~torch.isfinite(logits.amax(dim=-1))
+    return invalid if bool(invalid.any()) else None
+
+
 def argmax(logits: Tensor) -> Tensor:
     """torch.argmax over each row (the first maximum); the CPU kernel's is ~4x faster on a 49k vocabulary."""
     if logits.device.type == "cpu" and logits.stride(-1) == 1 and _cpu_kernel():
@@ -232,17 +261,22 @@ def _to_outputs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]
     if not lp_rows:
         return tokens.tolist(), {}
     rows = torch.tensor(lp_rows, device=logits.device)
-    # Logprobs come from the raw logits (before temperature and filters), as vLLM reports them.
+    # Logprobs come from the raw logits (before temperature and filters), as vLLM reports them; a grammar's masked
+    # tokens are -inf there, and an invalid row's are NaN: both are reported as LOGPROB_FLOOR.
     logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
-    chosen = logprobs.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens.index_select(0, rows).clamp(min=0).unsqueeze(1)).squeeze(1)
     top_n = max(params[i].logprobs or 0 for i in lp_rows)
     # float64 holds token ids exactly, so ids and logprobs travel together in one .tolist().
-    parts = [tokens.double(), chosen.double()]
+    parts = [tokens.double(), _finite(chosen)]
     if top_n:
         top_vals, top_ids = logprobs.topk(top_n, dim=-1)
-        parts += [top_vals.double().flatten(), top_ids.double().flatten()]
+        parts += [_finite(top_vals).flatten(), top_ids.double().flatten()]
     flat = torch.cat(parts).tolist()
     return _unpack(flat, len(params), lp_rows, params, top_n)
+
+
+def _finite(logprobs: Tensor) -> Tensor:
+    return torch.nan_to_num(logprobs.double(), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
 
 
 def _unpack(flat: list[float], num_rows: int, lp_rows: list[int], params: list[SamplingParams],

@@ -259,7 +259,7 @@ class Scheduler:
                 # Aborted or finished between schedule and update; under async scheduling also preempted by the
                 # step scheduled meanwhile, whose token (computed on its own valid cache) is still its next one.
                 if ahead and request.status is RequestStatus.PREEMPTED:
-                    updated += self._land_on_preempted(request, sampled_of(request.request_id))
+                    updated += self._land_on_preempted(request, sampled_of(request.request_id), scheduler_output)
                 continue
             if ahead:
                 if chunk.samples:
@@ -272,6 +272,10 @@ class Scheduler:
             token_id = sampled_of(request.request_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if token_id < 0:  # the sampler's NO_TOKEN: its logits had no finite value (sampler.py)
+                self.running.remove(request)
+                self._fail(request, scheduler_output)
+                continue
             output = request.output_token_ids
             output.append(token_id)
             updated.append(request)
@@ -287,8 +291,13 @@ class Scheduler:
                 self._finish(request, status)
         return updated
 
-    def _land_on_preempted(self, request: Request, token_id: int | None) -> list[Request]:
+    def _land_on_preempted(self, request: Request, token_id: int | None, out: SchedulerOutput) -> list[Request]:
         if token_id is None:
+            return []
+        if token_id < 0:
+            self.waiting.remove(request)
+            self._num_waiting_tokens -= request.num_tokens
+            self._fail(request, out)
             return []
         request.output_token_ids.append(token_id)
         self._num_waiting_tokens += 1  # it waits with one more token to recompute
@@ -323,6 +332,12 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._num_waiting_tokens += request.num_tokens
         self.waiting.append(request)
+
+    def _fail(self, request: Request, out: SchedulerOutput) -> None:
+        """End a request that cannot go on, finish reason "error", without a token (the engine reports out.failed
+        after update(), as it does a grammar that failed to compile)."""
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        out.failed.append(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -33,6 +33,10 @@ constexpr int64_t kVec = Vec::size();
 // doubles up to kLastGap, past which every kept token is a candidate.
 constexpr float kFirstGap = 8.f;
 constexpr float kLastGap = 64.f;
+// A row whose maximum is not finite (a NaN anywhere, every logit -inf, or a +inf) has no distribution to draw
+// from: it gets kNoToken, and the caller ends its request, rather than an id read from an empty candidate list.
+constexpr int64_t kNoToken = -1;
+
 // Tokens further below the max than this have probability 0 in float32 (exp(-87) is float's smallest normal):
 // they are never kept, which also keeps -inf logits (a grammar's masked tokens) out of every exp.
 constexpr float kUnderflowGap = 87.f;
@@ -170,6 +174,7 @@ void top_k_candidates(const float* x, int64_t n, float inv_t, float floor_s, int
 // A row's top-k candidates (exactly the top k, any order), then top-p within them: sorted, and drawn by inverse
 // CDF in descending order. The top-k renormalized distribution needs no row-wide sum.
 int64_t draw_top_k(const RowParams& p, float m, std::vector<std::pair<float, int64_t>>& cand) {
+  if (cand.empty()) return kNoToken;  // cannot happen for a finite row (its max is a candidate): never read cand[0]
   std::sort(cand.begin(), cand.end(), higher);
   const int64_t count = static_cast<int64_t>(cand.size());
   std::vector<double> probs(count);
@@ -281,8 +286,17 @@ int64_t sample_nucleus(const float* x, int64_t n, const RowParams& p, float m, d
 // Top-k rows with a k up to this take the heap; larger ones the threshold search.
 constexpr int64_t kMaxHeapK = 4096;
 
+int64_t argmax_or_none(const float* x, int64_t n) {
+  const float m = row_max(x, n);
+  if (!std::isfinite(m)) return kNoToken;
+  return std::find(x, x + n, m) - x;
+}
+
 int64_t sample_row(const float* x, int64_t n, const RowParams& p, std::vector<std::pair<float, int64_t>>& cand) {
-  const float m = row_max(x, n) * p.inv_temperature;
+  const float raw_max = row_max(x, n);
+  if (!std::isfinite(raw_max)) return kNoToken;
+  const float m = raw_max * p.inv_temperature;
+  if (!std::isfinite(m)) return argmax_or_none(x, n);  // logits / temperature overflow: the greedy limit
   const float floor_s = std::max(m - kUnderflowGap, m + p.log_min_p);  // log_min_p is -inf without min_p
   const bool has_k = p.top_k < n, has_p = p.top_p < 1.f;
   cand.clear();
@@ -348,8 +362,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
     for (int64_t r = begin; r < end; ++r) {
       const float inv_t = 1.f / temps[r];
       if (!std::isfinite(inv_t)) {  // a temperature that underflows float32 is the greedy limit: the argmax
-        const float* x = base + r * stride;
-        out[r] = std::max_element(x, x + vocab) - x;
+        out[r] = argmax_or_none(base + r * stride, vocab);
         continue;
       }
       const RowParams p{inv_t, ps[r],
@@ -361,8 +374,9 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   return tokens;
 }
 
-// The first index of each row's maximum, as torch.argmax; two vectorized passes (the max, then where it is) where
-// torch's reduction took ~1.1 ms for 64 rows of a 49k vocabulary on 2 cores, the largest host cost of a greedy step.
+// The first index of each row's maximum, as torch.argmax (kNoToken where the maximum is not finite); two
+// vectorized passes (the max, then where it is) where torch's reduction took ~1.1 ms for 64 rows of a 49k
+// vocabulary on 2 cores, the largest host cost of a greedy step.
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
                   logits.stride(1) == 1 && logits.size(1) > 0,
@@ -380,7 +394,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
         if (lane_max(Vec::loadu(x + i)) == m) break;
       }
       while (i < vocab && !(x[i] == m)) ++i;
-      out[r] = i < vocab ? i : std::max_element(x, x + vocab) - x;  // a NaN row: whatever max_element says
+      out[r] = std::isfinite(m) && i < vocab ? i : kNoToken;  // NaN, all -inf or +inf: no token (sample_row)
     }
   });
   return tokens;
