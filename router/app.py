@@ -91,6 +91,9 @@ class ServeArgs(BaseModel):
     replica_wait_timeout_s: float = Field(30.0, gt=0)
     ingress_max_ongoing_requests: int = Field(1000, ge=1)
     api_key: str | None = None
+    # a file holding the API key, read by each ingress replica at its start (a Kubernetes Secret mounted in every
+    # pod): the key then appears in no config, flag or process list
+    api_key_file: str | None = None
     # routing
     request_router_class: str | None = DEFAULT_ROUTER  # None or "": Serve's default power-of-two router
     request_routing_stats_period_s: float = Field(0.5, gt=0)
@@ -127,6 +130,7 @@ class ServeArgs(BaseModel):
         name = self.served_model_name or self.model
         aliases = [self.model] if name != self.model else []
         return IngressSettings(model_name=name, model_aliases=aliases, api_key=self.api_key,
+                               api_key_file=self.api_key_file,
                                max_body_bytes=self.max_body_bytes,
                                replica_wait_timeout_s=self.replica_wait_timeout_s,
                                ready_timeout_s=self.ready_timeout_s, stream_mux=self.stream_mux)

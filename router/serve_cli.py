@@ -2,7 +2,13 @@
 
 Settings come from, in rising precedence: ServeArgs defaults, `--config FILE` (a mapping of ServeArgs, or a
 whole Serve config such as deploy/serve.yaml, whose first application's args are used), $CONVEYOR_API_KEY,
-then the flags given on the command line.
+then the flags given on the command line. The API key is best given by $CONVEYOR_API_KEY or `--api-key-file`:
+`--api-key` shows in the process list to every user of the host.
+
+The local Ray cluster keeps Ray's token authentication (RAY_AUTH_MODE=token unless the environment says
+otherwise; Ray creates ~/.ray/auth_token the first time). Ray 2.60's GCS, raylet and workers listen on every
+interface whatever address the node is given, so without a token anyone who reaches this host's Ray ports could
+run code in it: RAY_AUTH_MODE=disabled is honoured, with a warning, for hosts a firewall closes.
 """
 from __future__ import annotations
 
@@ -11,10 +17,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from conveyor.router.api_key import API_KEY_ENV, read_api_key_file
 
 if TYPE_CHECKING:
     from conveyor.router.app import ServeArgs
@@ -23,6 +32,7 @@ logger = logging.getLogger("conveyor.serve")
 logger.setLevel(logging.INFO)  # where we listen is always worth a line, even without -v
 
 APP_NAME = "conveyor"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser", "http_proxy")
 
 
@@ -89,7 +99,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="streamed tokens leave the replica every this many, the first and last at once "
                              "(vLLM's --stream-interval): less CPU per token on every hop, a coarser stream")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY); visible in the "
+                             "process list: prefer $CONVEYOR_API_KEY or --api-key-file")
+    parser.add_argument("--api-key-file", default=None,
+                        help="read the API key from this file (each ingress reads it at its start)")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -104,8 +117,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def serve_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Merge config file and flags. A flag overrides the file only when it differs from its default."""
     merged = load_config_file(args.config) if args.config else {}
-    if os.environ.get("CONVEYOR_API_KEY"):
-        merged["api_key"] = os.environ["CONVEYOR_API_KEY"]
+    if os.environ.get(API_KEY_ENV):
+        merged["api_key"] = os.environ[API_KEY_ENV]
     for dest, value in vars(args).items():
         if dest in SERVE_ONLY_FLAGS or value == parser.get_default(dest):
             continue
@@ -113,9 +126,28 @@ def serve_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return merged
 
 
+def ray_auth_mode() -> str:
+    """Ray's token authentication for the local cluster: on unless RAY_AUTH_MODE says otherwise (set before Ray
+    is imported; the raylet and every worker inherit it)."""
+    mode = os.environ.setdefault(RAY_AUTH_MODE_ENV, "token").lower()
+    if mode != "token":
+        logger.warning("%s=%s: Ray's token authentication is off, and Ray listens on every interface of this host; "
+                       "anyone who can reach its ports can run code here. Use it only behind a firewall.",
+                       RAY_AUTH_MODE_ENV, mode)
+    return mode
+
+
+def check_api_key_settings(cfg: ServeArgs) -> None:
+    """Fail before Ray starts on an API key file the ingress could not read; warn about a key in argv."""
+    if cfg.api_key_file and not cfg.api_key:
+        read_api_key_file(cfg.api_key_file)
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in sys.argv):
+        logger.warning("--api-key is visible in the process list: prefer $%s or --api-key-file", API_KEY_ENV)
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster: no token auth
-    env = {"RAY_AUTH_MODE": "disabled"}
+    auth_mode = ray_auth_mode()
+    env: dict[str, str] = {}
     for key, value in serve_env(args.port, args.http_proxy).items():
         env[key] = os.environ.setdefault(key, value)
     import ray
@@ -128,6 +160,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     settings = serve_args_from(args, parser)
     cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
     try:  # bad engine settings in the environment fail here, as the replica would read them
+        check_api_key_settings(cfg)
         child_openmp_env(os.environ)
         ray_as_batch = ray_batch_setting()
     except ValueError as exc:
@@ -140,8 +173,9 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))
     if ray_as_batch and cfg.engine_process:  # an engine on a replica thread would run batch too
         run_children_as_batch()  # Ray's processes inherit it; the engine process leaves it (serving/priority.py)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
-             runtime_env={"env_vars": env})
+    context = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
+                       runtime_env={"env_vars": env})
+    logger.info("Ray cluster at %s, authentication %s", context.address_info.get("gcs_address"), auth_mode)
     if not args.verbose:
         _stop_log_monitor()
     # SIGTERM (docker stop, kill) takes the same clean path as Ctrl-C, also while the model is loading. SIGINT

@@ -115,3 +115,32 @@ def test_scrapeconfig_discovers_replicas_through_the_serve_service(serve_config:
     assert sd["url"] == f"http://conveyor-serve-svc:{serve_config['http_options']['port']}/metrics/targets"
     ingress = Path(importlib.util.find_spec("conveyor.router.ingress").origin).read_text()
     assert '"/metrics/targets"' in ingress  # the route the URL names exists
+
+
+def test_the_cluster_keeps_token_auth_and_the_key_comes_from_a_secret(service: dict[str, Any],
+                                                                        serve_config: dict[str, Any]) -> None:
+    assert service["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    args = serve_config["applications"][0]["args"]
+    assert "api_key" not in args and args["api_key_file"].startswith("/etc/conveyor/api-key/")
+    for group in groups(service):  # an ingress replica may land on any pod: each mounts the Secret
+        spec = group["template"]["spec"]
+        volume = next(v for v in spec["volumes"] if v["name"] == "api-key")
+        assert volume["secret"]["secretName"] == "conveyor-api-key" and not volume["secret"].get("optional")
+        mounts = {m["name"]: m["mountPath"] for m in ray_container(group)["volumeMounts"]}
+        assert args["api_key_file"].startswith(mounts["api-key"] + "/")
+        assert not any("API_KEY" in e.get("name", "") and "value" in e for e in ray_container(group).get("env", []))
+
+
+def test_network_policy_opens_only_the_api_port_to_outsiders(service: dict[str, Any],
+                                                              serve_config: dict[str, Any]) -> None:
+    policy = load("networkpolicy.yaml")
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    for group in groups(service):  # it selects every pod
+        assert spec["podSelector"]["matchLabels"].items() <= group["template"]["metadata"]["labels"].items()
+    open_to_all = [rule for rule in spec["ingress"] if "from" not in rule]
+    assert [p["port"] for rule in open_to_all for p in rule["ports"]] == [serve_config["http_options"]["port"]]
+    for rule in spec["ingress"]:
+        for peer in rule.get("from", []):
+            assert "ipBlock" not in peer  # no address range reaches Ray's ports

@@ -4,6 +4,7 @@ client (with a stream_interval from the YAML file), and a stop signal leaves no 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from tests.serve.conftest import _free_port, wait_until
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny"
+LOGS: dict[str, Path] = {}
 STREAM_INTERVAL = 3  # from the YAML file: tokens leave the replica three at a time, the first alone
 
 
@@ -54,8 +56,12 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, subprocess.P
     port = _free_port()
     before = _engine_pids()
     log = open(tmp_path_factory.mktemp("cli-serve") / "serve.log", "w")  # noqa: SIM115 - closed below
-    # RAY_ADDRESS=local: a cluster of its own, whatever else runs on this host (the suite's own Ray).
-    env = os.environ | {"RAY_ADDRESS": "local"}
+    # RAY_ADDRESS=local: a cluster of its own, whatever else runs on this host (the suite's own Ray). Ray's token
+    # authentication as a user gets it (the suite's RAY_AUTH_MODE=disabled left out), with a token of its own
+    # so no ~/.ray/auth_token is written.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
+        "RAY_ADDRESS": "local", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    LOGS["serve"] = Path(log.name)
     cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--num-kv-blocks", "64", "--max-num-seqs", "8", "--num-cpus", "1",
            "--config", str(_config(tmp_path_factory))]
@@ -135,6 +141,16 @@ def test_the_local_ray_runs_no_log_monitor(server) -> None:
     children = [cmd for _, parent, cmd in _processes() if parent == proc.pid]
     assert any("gcs_server" in c for c in children), children  # the driver started this Ray's processes
     assert not [c for c in children if "log_monitor.py" in c]
+
+
+def test_the_local_ray_keeps_token_authentication(server) -> None:
+    """`conveyor serve` no longer turns Ray's token authentication off (issue 39): the GCS it started runs in token
+    mode, so a client without the token cannot run code in the cluster."""
+    _, proc, _ = server
+    assert "authentication token" in LOGS["serve"].read_text()
+    (gcs,) = [pid for pid, parent, cmd in _processes() if parent == proc.pid and "gcs_server" in cmd]
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{gcs}/environ").read_text().split("\0") if "=" in item)
+    assert environ.get("RAY_AUTH_MODE") == "token" and environ.get("RAY_AUTH_TOKEN")
 
 
 def test_ray_runs_under_sched_batch_and_the_engine_does_not(server) -> None:
