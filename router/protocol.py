@@ -16,7 +16,11 @@ from conveyor.router import tool_schema
 from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
 from conveyor.router.tool_schema import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
 from conveyor.serving.request import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     SAMPLING_DEFAULT_KEYS,
     SamplingParams,
@@ -26,7 +30,12 @@ from conveyor.serving.request import (
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
 MAX_CHOICES = 64  # prompts x n of one request: bounds the fan-out a single request can cause
-MAX_STOP = 4
+MAX_STOP = MAX_STOP_STRINGS
+# Amplification caps of the request as a whole (docs/limits.md); the sampling ones are serving/request.py's. OpenAI
+# accepts at most 128 tools; the messages cap bounds the chat template's work, which the 1 MiB body alone does not
+# (100,000 tiny messages fit in it).
+MAX_TOOLS = 128
+MAX_MESSAGES = 1024
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -59,7 +68,7 @@ class _SamplingRequest(_Lenient):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,7 +80,8 @@ class _SamplingRequest(_Lenient):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM's extension
     # OpenAI's: token id (JSON keys are strings, "50256") -> bias added to its logit.
-    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
@@ -104,6 +114,8 @@ class _SamplingRequest(_Lenient):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_STRING_CHARS} characters")
         return [_check_text(s) for s in stops]
 
     def unset_sampling_fields(self) -> list[str]:
@@ -188,12 +200,12 @@ class ChatMessage(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)  # deprecated by OpenAI, still sent
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     parallel_tool_calls: bool = True
     tool_choice: ToolChoice | None = None  # after tools and parallel_tool_calls: its check reads them
 

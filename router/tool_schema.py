@@ -4,6 +4,7 @@ that enforce tool_choice "required" or a named function. The model's calls are r
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import re
@@ -80,7 +81,7 @@ class AssistantToolCall(_Lenient):
 def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
     """The cross-field checks pydantic cannot do per field; raises ValueError."""
     names = [t.function.name for t in tools or []]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted(name for name, count in collections.Counter(names).items() if count > 1)  # linear
     if dupes:
         raise ValueError(f"duplicate tool names: {', '.join(dupes)}")
     if tool_choice is None or tool_choice in ("none", "auto"):

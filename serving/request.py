@@ -15,6 +15,13 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch.Generator's manual_seed takes
+# Amplification caps (docs/limits.md): each entry costs work on every step of the request (a stop token id is
+# looked up for every sampled token, a stop string searched in every delta, a bias added to every row), so a
+# small body must not buy an unbounded amount of it. OpenAI allows 4 stop strings.
+MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The sampling settings a model's generation_config.json may recommend, applied to requests that leave them
 # unset (the ones vLLM takes from a generation config).
@@ -85,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        check_caps(len(self.stop), max(map(len, self.stop), default=0), len(self.stop_token_ids),
+                   len(self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -115,6 +124,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, dividing float32 logits by the temperature overflows to inf/NaN; it is argmax anyway.
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+
+def check_caps(num_stop: int, max_stop_chars: int, num_stop_token_ids: int, num_logit_bias: int) -> None:
+    """The amplification caps above; ValueError naming the first one exceeded."""
+    for name, value, cap in (("stop strings", num_stop, MAX_STOP_STRINGS),
+                             ("characters in a stop string", max_stop_chars, MAX_STOP_STRING_CHARS),
+                             ("stop_token_ids", num_stop_token_ids, MAX_STOP_TOKEN_IDS),
+                             ("logit_bias entries", num_logit_bias, MAX_LOGIT_BIAS_ENTRIES)):
+        if value > cap:
+            raise ValueError(f"at most {cap} {name} are allowed, got {value}")
 
 
 class RequestStatus(enum.Enum):
