@@ -35,6 +35,7 @@ from conveyor.bench.runner import (  # noqa: E402
     add_workload_args,
     compare,
     parse_goodput,
+    rates_arg,
     ratio_table,
     score,
     write_compare,
@@ -214,7 +215,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="slo,continuous,static,vllm,hf",
                    help=f"from {', '.join(CONVEYOR_KINDS)}, vllm, hf; the first is the ratios' numerator")
-    p.add_argument("--request-rates", default="0.5,1,1.5,2")
+    p.add_argument("--request-rates", type=rates_arg, default="0.5,1,1.5,2")
     p.add_argument("--itl-slo-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="both Conveyor apps (static batch size)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -36,11 +36,9 @@ from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_ht
 from benchmarks.inproc_peer import run_result_process  # noqa: E402
 from benchmarks.proc_cpu import (  # noqa: E402
     NOT_SERVER_ROLES,
-    OTHER_ROLE,
     breakdown_table,
-    cmdline,
     cpu_by_role,
-    role_of,
+    descendants,
     snapshot,
 )
 
@@ -102,13 +100,16 @@ def start_vllm(args: argparse.Namespace, port: int) -> subprocess.Popen:
     # defaults.
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(args.model), "--port", str(port),
             "--host", "127.0.0.1", "--served-model-name", args.model, "--dtype", args.dtype,
-            "--max-model-len", "2048", "--disable-uvicorn-access-log"]
+            "--max-model-len", "2048", "--disable-uvicorn-access-log", *args.vllm_arg]
     return start_server("vllm", argv, env)
 
 
 def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
-    """SIGTERM the server's session, then SIGKILL by pid every process that appeared since it started and is
-    still alive (Ray's raylet and workers, vLLM's EngineCore and worker run outside that session)."""
+    """SIGINT the server's session, then SIGKILL by pid each of the server's processes still alive: those below it
+    when it was stopped and below them since (Ray's raylet and workers, vLLM's EngineCore and worker outlive it,
+    re-parented) and those of its session; new since `before`. Only the server's own: the machine is shared, and
+    another user's engine or Ray worker has the same command line as ours."""
+    tree = descendants({proc.pid})
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
@@ -116,7 +117,9 @@ def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
         pass
     killed: set[int] = set()
     for _ in range(3):
-        leftover = [p for p in snapshot() if p not in before and p != os.getpid() and _is_server_process(p, proc.pid)]
+        tree = descendants(tree)
+        leftover = [p for p in snapshot() if p not in before and p != os.getpid()
+                    and (p in tree or _in_session(p, proc.pid))]
         for pid in leftover:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -129,14 +132,12 @@ def stop_all(proc: subprocess.Popen, before: set[int]) -> list[int]:
     return sorted(killed)
 
 
-def _is_server_process(pid: int, session: int) -> bool:
-    """In the server's session, or one of the roles a server's processes have (Ray's, vLLM's, the engine's)."""
+def _in_session(pid: int, session: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    in_session = int(stat.rsplit(")", 1)[1].split()[3]) == session
-    return in_session or role_of(cmdline(pid)) not in {OTHER_ROLE, *CLIENT_ROLES}
+    return int(stat.rsplit(")", 1)[1].split()[3]) == session
 
 
 # ---- the client --------------------------------------------------------------------------------------
@@ -327,6 +328,7 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--conveyor-arg", action="append", default=[], help="extra flag for `conveyor serve`")
     p.add_argument("--conveyor-env", action="append", default=[], help="KEY=VALUE for `conveyor serve`")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra flag for `vllm serve`")
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON))
     p.add_argument("--prompts", default=None, help="in-process targets only: a prompts file an earlier run dumped")
     p.add_argument("--client-timeout-s", type=float, default=900)

@@ -101,6 +101,30 @@ def snapshot(client_pids: set[int] = frozenset()) -> dict[int, ProcSample]:
     return samples
 
 
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process now."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def descendants(roots: set[int]) -> set[int]:
+    """The roots and every process below them now (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_pids().items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(roots), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def cpu_by_role(before: dict[int, ProcSample], after: dict[int, ProcSample]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for pid, sample in after.items():

@@ -3,6 +3,7 @@ handling against a stub server on loopback, `conveyor bench --help` from outside
 end-to-end run of the load generator against the transformers baseline server on the tiny model."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import http.server
@@ -22,14 +23,19 @@ import pytest
 
 from conveyor.bench import runner
 from conveyor.bench.client import run_load, validate_base_url
+from conveyor.bench.machine import cpu_model
 from conveyor.bench.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
 from conveyor.bench.plots import MISSING_MATPLOTLIB
 from conveyor.bench.runner import attainment_capacity, capacity, ratio_table
 from conveyor.bench.workload import (
+    LOGNORMAL_OUTPUT,
+    LOGNORMAL_PROMPT,
     BenchRequest,
     arrival_offsets,
     build_requests,
+    derive_seed,
     fixed_lengths,
+    lognormal_lengths,
     make_workload,
     sharegpt_like_lengths,
 )
@@ -78,9 +84,9 @@ def test_percentile_matches_linear_interpolation() -> None:
     assert math.isnan(percentile([], 50))
 
 
-def _result(ttft: float, itls: list[float], ok: bool = True) -> RequestResult:
+def _result(ttft: float, itls: list[float], ok: bool = True, status: int = 200) -> RequestResult:
     r = RequestResult(send_time=0.0, prompt_len=4, max_tokens=len(itls) + 1, ok=ok, ttft=ttft,
-                      itls=itls, output_tokens=len(itls) + 1 if ok else 0)
+                      itls=itls, output_tokens=len(itls) + 1 if ok else 0, status=status)
     r.e2e = ttft + sum(itls)
     return r
 
@@ -89,17 +95,213 @@ def test_goodput_counts_requests_meeting_both_slos() -> None:
     results = [_result(0.1, [0.05, 0.05]),  # good
                _result(3.0, [0.05]),  # TTFT too slow
                _result(0.1, [0.05, 0.5]),  # one gap over the ITL SLO
-               _result(0.1, [], ok=False)]  # failed
+               _result(0.1, [], ok=False, status=500)]  # failed
     slo = parse_goodput(["ttft:1000", "itl:200"])
     assert slo == {"ttft": 1000.0, "itl": 200.0}
-    assert [meets_slo(r, slo["ttft"], slo["itl"]) for r in results] == [True, False, False, False]
+    assert [meets_slo(r, slo) for r in results] == [True, False, False, False]
     s = summarize(results, duration_s=2.0, offered_rate=1.0, goodput=slo)
     assert s["good_requests"] == 1 and s["goodput"] == 0.5
-    assert s["completed"] == 3 and s["failed"] == 1
+    assert s["completed"] == 3 and s["failed"] == 1 and s["refused"] == 0
     assert s["output_throughput"] == pytest.approx((3 + 2 + 3) / 2.0)
     assert s["tpot_ms"]["p50"] == pytest.approx(50.0)
+
+
+def test_goodput_takes_vllm_keys_and_tpot_is_the_mean_gap_per_request() -> None:
+    assert parse_goodput(["ttft:2000", "tpot:100", "e2el:30000", "itl:300"]) == {
+        "ttft": 2000.0, "tpot": 100.0, "e2el": 30000.0, "itl": 300.0}
+    assert parse_goodput(["tpot:0"]) == {"tpot": 0.0}  # vLLM allows 0 (non-negative)
+    # TPOT = (e2e - ttft) / (output_tokens - 1), as vLLM: one slow gap among fast ones meets tpot:100, not itl:100
+    bursty = _result(0.2, [0.03, 0.03, 0.03, 0.25])
+    assert bursty.tpot == pytest.approx(0.085)
+    assert meets_slo(bursty, {"ttft": 2000, "tpot": 100})
+    assert not meets_slo(bursty, {"ttft": 2000, "itl": 100})
+    assert not meets_slo(bursty, {"tpot": 80})
+    assert meets_slo(bursty, {"tpot": 85}) and not meets_slo(bursty, {"e2el": 500})  # equal meets; e2e 0.54 s
+    # one output token: no TPOT, which vLLM counts as 0, so it meets any tpot SLO (but still the TTFT one)
+    single = _result(0.5, [])
+    assert single.output_tokens == 1 and meets_slo(single, {"tpot": 0.0})
+    assert not meets_slo(single, {"tpot": 0.0, "ttft": 400})
+    assert summarize([single], 1.0, 1.0, {"tpot": 1.0})["good_requests"] == 1
+
+
+def test_refused_requests_miss_the_slo_in_attainment_over_all_sent() -> None:
+    slo = {"ttft": 2000.0, "tpot": 100.0}
+    results = ([_result(0.1, [0.05] * 3) for _ in range(6)]  # good
+               + [_result(2.5, [0.05] * 3)]  # admitted, TTFT missed
+               + [_result(0.0, [], ok=False, status=429) for _ in range(2)]  # refused by admission control
+               + [_result(0.0, [], ok=False, status=500)])  # failed otherwise: admitted, missed
+    s = summarize(results, duration_s=4.0, offered_rate=2.5, goodput=slo)
+    assert s["num_requests"] == 10 and s["refused"] == 2 and s["failed"] == 3
+    assert s["good_requests"] == 6
+    assert s["attainment"] == pytest.approx(0.6)  # 6 of the 10 sent
+    assert s["attainment_admitted"] == pytest.approx(0.75)  # 6 of the 8 not refused
+    assert s["goodput"] == pytest.approx(1.5)  # good requests per second of the window
+    assert "attainment" not in summarize(results, 4.0, 2.5)  # no SLO, no attainment
+
+
+@pytest.mark.parametrize("bad", [["tpot"], ["ttfb:100"], ["ttft:fast"], ["ttft:-1"], ["ttft:nan"], ["ttft:"],
+                                 ["ttft:1", "ttft:2"], []])
+def test_a_bad_goodput_is_a_usage_error_before_any_request(bad: list[str], capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    with _stub_server() as (url, seen):
+        with pytest.raises(SystemExit) as exit_info:
+            runner.main(["--base-url", url, "--request-rate", "100", "--num-prompts", "2", "--no-plot",
+                         "--no-progress", "--goodput", *bad])
+        assert seen == []  # nothing was sent, not even a warm-up
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--goodput" in err and "Traceback" not in err
     with pytest.raises(ValueError):
-        parse_goodput(["tpot:5"])
+        parse_goodput(bad or ["x"])
+
+
+@pytest.mark.parametrize("bad", [["--request-rate", "1,x"], ["--request-rate", "0"], ["--request-rate", "2,,3"],
+                                 ["--request-rate", "-1"], ["--num-prompts", "0"], ["--warmup-s", "-1"],
+                                 ["--burstiness", "0"], ["--max-concurrency", "1.5"], ["--random-prefix-len", "-4"],
+                                 ["--dataset", "lognormalx"]])
+def test_bad_arguments_are_usage_errors_before_any_request(bad: list[str], capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    with _stub_server() as (url, seen):
+        with pytest.raises(SystemExit) as exit_info:
+            runner.main(["--base-url", url, "--num-prompts", "2", "--no-plot", "--no-progress", *bad])
+        assert seen == []
+    assert exit_info.value.code == 2 and bad[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        runner.main(["compare", "--targets", "a=http://127.0.0.1:9", "--request-rates", "1,zero"])
+
+
+def test_lognormal_dataset_has_the_stated_median_and_mean_and_clips() -> None:
+    pairs = lognormal_lengths(5000, seed=7)
+    assert pairs == lognormal_lengths(5000, seed=7) and pairs != lognormal_lengths(5000, seed=8)
+    prompts, outputs = (list(x) for x in zip(*pairs, strict=True))
+    assert LOGNORMAL_PROMPT.sigma == pytest.approx(0.712, abs=0.001)
+    assert LOGNORMAL_OUTPUT.sigma == pytest.approx(0.834, abs=0.001)
+    assert statistics.median(prompts) == pytest.approx(163, rel=0.05)
+    assert statistics.mean(prompts) == pytest.approx(210, rel=0.05)  # clipping at 1240 takes ~1%
+    assert statistics.median(outputs) == pytest.approx(48, rel=0.06)
+    assert statistics.mean(outputs) == pytest.approx(68, rel=0.05)  # clipping at 300 takes ~2%
+    assert min(prompts) >= 16 and max(prompts) == 1240  # the tail reaches the clip at this size
+    assert min(outputs) >= 4 and max(outputs) == 300
+    reqs = make_workload("lognormal", 50, seed=3)
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in reqs] == lognormal_lengths(50, seed=3)
+
+
+def _plan_args(**overrides: object) -> argparse.Namespace:
+    args = runner.build_parser().parse_args(["--base-url", "http://127.0.0.1:9", "--dataset", "lognormal",
+                                             "--num-prompts", "30"])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def _prompts(plan: runner.PointPlan, part: slice = slice(None)) -> set[tuple[int, ...]]:
+    return {tuple(r.prompt_token_ids) for r in plan.requests[part]}
+
+
+def test_every_rate_point_draws_its_own_prompts() -> None:
+    args = _plan_args()
+    plans = [runner.plan_point(args, rate, i) for i, rate in enumerate([2.0, 3.0, 3.0])]  # a rate given twice too
+    assert plans[0] == runner.plan_point(args, 2.0, 0)  # seeded: a rerun sends the same
+    sets = [_prompts(p) for p in plans]
+    assert all(len(x) == 30 for x in sets)
+    assert not (sets[0] & sets[1]) and not (sets[1] & sets[2]) and not (sets[0] & sets[2])
+    # first 16-token blocks differ too: no point is served from another's prefix cache
+    assert len({p[:16] for x in sets for p in x}) == 90
+    assert runner.plan_point(_plan_args(seed=1), 2.0, 0).requests != plans[0].requests  # the seed counts
+    same = _plan_args(same_prompts_every_rate=True)
+    assert runner.plan_point(same, 2.0, 0).requests == runner.plan_point(same, 5.0, 3).requests
+
+
+def test_random_prefix_len_shares_a_prefix_across_every_point() -> None:
+    args = _plan_args(random_prefix_len=32)
+    plans = [runner.plan_point(args, rate, i) for i, rate in enumerate([2.0, 4.0])]
+    heads = {tuple(r.prompt_token_ids[:32]) for p in plans for r in p.requests}
+    assert len(heads) == 1  # one shared prefix
+    tails = [{tuple(r.prompt_token_ids[32:]) for r in p.requests} for p in plans]
+    assert not (tails[0] & tails[1])  # after it, the prompts are still the point's own
+    lengths = [len(r.prompt_token_ids) - 32 for r in plans[0].requests]
+    assert lengths == [p for p, _ in lognormal_lengths(30, derive_seed(0, 0, "measure"))]
+
+
+def test_warmup_window_runs_at_the_rate_and_is_left_out() -> None:
+    plan = runner.plan_point(_plan_args(warmup_s=10.0), 4.0, 0)
+    warm = plan.offsets[:plan.num_warmup]
+    assert 20 <= plan.num_warmup <= 60  # ~40 at 4 req/s for 10 s
+    assert all(0 < t < 10.0 for t in warm) and all(t >= 10.0 for t in plan.offsets[plan.num_warmup:])
+    assert plan.window_start_s == 10.0 and len(plan.requests) == plan.num_warmup + 30
+    assert not (_prompts(plan, slice(None, plan.num_warmup)) & _prompts(plan, slice(plan.num_warmup, None)))
+    assert runner.plan_point(_plan_args(warmup_s=10.0), math.inf, 0).num_warmup == 0  # no rate to warm up at
+    # the window: measured requests only, from its opening to the last measured end
+    results = [RequestResult(send_time=t, prompt_len=1, max_tokens=1, ok=True, e2e=1.0) for t in plan.offsets]
+    results[0].e2e = 100.0  # a warm-up straggler does not stretch the window
+    measured, duration = runner.measured_window(plan, results)
+    assert len(measured) == 30 and duration == pytest.approx(plan.offsets[-1] + 1.0 - 10.0)
+
+
+def test_sweep_against_a_server_sends_fresh_prompts_per_point_and_leaves_the_warmup_out(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    with _stub_server() as (url, seen):
+        rc = runner.main(["--base-url", url, "--dataset", "random", "--input-len", "20", "--output-len", "3",
+                          "--num-prompts", "4", "--num-warmups", "0", "--request-rate", "200,200",
+                          "--warmup-s", "0.05", "--goodput", "ttft:5000", "tpot:1000", "--no-progress", "--no-plot",
+                          "--out", str(out)])
+        prompts = _StubServer.prompts_seen
+    assert rc == 0
+    saved = json.loads(out.read_text())
+    points = saved["points"]
+    assert [p["num_requests"] for p in points] == [4, 4]  # the warm-up window's requests are not counted
+    num_warm = sum(p["num_warmup_requests"] for p in points)
+    assert len(seen) == 8 + num_warm
+    assert len(set(prompts)) == len(prompts)  # no prompt sent twice, across points and warm-ups
+    assert all(p["attainment"] == 1.0 and p["refused"] == 0 for p in points)
+    assert saved["machine"]
+
+
+def test_refused_requests_are_counted_end_to_end(tmp_path: Path) -> None:
+    _StubServer.refuse_every = 2  # every second request: 429
+    try:
+        with _stub_server() as (url, _):
+            reqs = [BenchRequest([101 + i, 102], 3) for i in range(6)]
+            results, duration = asyncio.run(run_load(url, "m", reqs, [0.01 * i for i in range(6)], progress=False))
+    finally:
+        _StubServer.refuse_every = 0
+    s = summarize(results, duration, 100.0, {"ttft": 5000.0})
+    assert s["refused"] == 3 and s["completed"] == 3 and s["attainment"] == pytest.approx(0.5)
+    assert s["attainment_admitted"] == pytest.approx(1.0)
+    assert s["refusal_ms"]["p99"] < 1000
+
+
+def test_attainment_capacity_and_goodput_table() -> None:
+    def row(rate: float, good: int, refused: int = 0) -> dict:
+        r = summarize([], 1.0, rate, {"ttft": 2000.0})
+        return r | {"num_requests": 20, "good_requests": good, "refused": refused, "attainment": good / 20,
+                    "attainment_admitted": good / (20 - refused), "goodput": good / 10}
+
+    rows = [row(2, 20), row(3, 18, refused=2), row(4, 17), row(5, 19)]
+    assert attainment_capacity(rows) == 3  # 18/20 = 90% passes; 4 fails, so 5's pass does not count
+    assert attainment_capacity(rows, attainment=0.95) == 2
+    table = runner.goodput_table({"a": rows, "b": [row(2, 10), row(3, 20)]})
+    assert "| 3 | a | 90% | 100% | 1.80 | 2 |" in table
+    assert "a 3 req/s, b 0 req/s" in table
+
+
+def test_goodput_figure_is_drawn_with_its_title(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from conveyor.bench.plots import plot_goodput
+
+    rows = [{"offered_rate": r, "attainment": a, "goodput": r * a} for r, a in [(2, 1.0), (3, 0.95), (4, 0.4)]]
+    path = tmp_path / "g.png"
+    title = runner.plot_title(["conveyor", "vllm"], "smollm2")
+    assert "conveyor, vllm | smollm2 | " in title and cpu_model() in title
+    plot_goodput({"conveyor": rows, "vllm": rows}, path, title, {"ttft": 2000.0, "tpot": 100.0})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_model_reads_proc_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B45\nflags\t: avx512f\n")
+    assert cpu_model(info).startswith("AMD EPYC 9B45, ")
+    assert cpu_model(tmp_path / "missing")  # elsewhere: what platform knows
 
 
 def test_capacity_needs_slo_and_keeping_up() -> None:
@@ -150,6 +352,8 @@ def test_any_http_server_is_a_valid_target(capsys: pytest.CaptureFixture[str]) -
 
 class _StubServer(http.server.ThreadingHTTPServer):
     seen: list[tuple[str, str | None]]  # (path, Authorization header) of every request
+    prompts_seen: list[tuple[int, ...]] = []  # the token-id prompts of every request, across servers
+    refuse_every = 0  # > 0: answer every n-th request with 429, as a server's admission control
 
 
 class _StubCompletions(http.server.BaseHTTPRequestHandler):
@@ -159,6 +363,13 @@ class _StubCompletions(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.path, self.headers.get("Authorization")))
+        _StubServer.prompts_seen.append(tuple(body["prompt"]))
+        if self.server.refuse_every and len(self.server.seen) % self.server.refuse_every == 0:
+            self.send_response(429)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -174,6 +385,7 @@ class _StubCompletions(http.server.BaseHTTPRequestHandler):
 def _stub_server() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
     server = _StubServer(("127.0.0.1", 0), _StubCompletions)
     server.seen = []
+    _StubServer.prompts_seen = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -254,3 +466,36 @@ def test_load_generator_end_to_end_against_the_hf_server(tiny_model_dir) -> None
     assert all(len(r.itls) == 5 and r.ttft > 0 and r.e2e >= r.ttft for r in results)
     s = summarize(results, duration, 20.0)
     assert s["completed"] == 5 and s["itl_ms"]["p99"] > 0
+
+
+def test_goodput_sweep_script_defaults_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import goodput
+
+    args = goodput.parse_args(["--targets", "conveyor,static", "--static-args", "--max-num-seqs 32"])
+    assert args.request_rates == [2.0, 3.0, 4.0, 5.0, 6.0] and args.dataset == "lognormal"
+    assert args.warmup_s == 30.0 and parse_goodput(args.goodput) == {"ttft": 2000.0, "tpot": 100.0}
+    assert goodput.server_settings(args, "static").conveyor_arg == ["--scheduling", "static", "--max-num-seqs", "32"]
+    assert goodput.server_settings(args, "conveyor").conveyor_arg == []
+    # the default output is git-ignored: no tracked file is written by a run
+    default_out = goodput.default_out()
+    assert not default_out.is_absolute()  # under the working directory, the repository root for `python -m`
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default_out)], cwd=Path(__file__).parents[1])
+    assert ignored.returncode == 0, default_out
+    for bad in (["--targets", "conveyor,tgi"], ["--rates", "2,x"], ["--goodput", "tpot"],
+                ["--targets", "vllm", "--vllm-python", str(tmp_path / "none")]):
+        with pytest.raises(SystemExit) as exit_info:
+            goodput.parse_args(bad)
+        assert exit_info.value.code == 2
+    assert "setup_vllm.sh" in capsys.readouterr().err
+
+
+def test_cross_check_table_puts_both_clients_side_by_side() -> None:
+    from benchmarks import goodput
+
+    ours = summarize([_result(0.1, [0.05] * 3)] * 4, 2.0, 3.0, {"ttft": 2000.0, "tpot": 100.0})
+    theirs = {"request_goodput": 1.5, "attainment": 0.75, "completed": 4, "median_ttft_ms": 120.0,
+              "p99_ttft_ms": 300.0, "median_tpot_ms": 52.0, "p99_tpot_ms": 70.0, "output_throughput": 7.5,
+              "goodput_slo": ["ttft:2000", "tpot:100"]}
+    table = goodput.cross_check_table("conveyor", {"rate": 3.0, "ours": ours, "vllm_client": theirs})
+    assert "| goodput (req/s) | 2.00 | 1.50 |" in table and "| attainment (%) | 100.00 | 75.00 |" in table
+    assert "| TPOT p50 / p99 (ms) | 50 / 50 | 52 / 70 |" in table

@@ -49,8 +49,10 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", url, json=body) as resp:
+                result.status = resp.status_code
                 if resp.status_code != 200:
                     result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    result.e2e = time.perf_counter() - send  # for a 429: how fast the refusal came
                     return result
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -73,6 +75,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
             result.error = "no tokens streamed"
     except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
+        result.e2e = time.perf_counter() - send  # a failed request still ends the run's measured window
     return result
 
 

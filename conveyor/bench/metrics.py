@@ -17,6 +17,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)  # each gap between token-bearing chunks
     chunk_times: list[float] = field(default_factory=list)  # arrival times of those chunks (run clock)
     output_tokens: int = 0
+    status: int = 0  # the HTTP status (429: refused by admission control); 0 when none came back
 
     @property
     def tpot(self) -> float:
@@ -54,46 +55,90 @@ def distribution(values: list[float], scale: float = 1000.0) -> dict[str, float]
             "max": scale * max(values)}
 
 
-def meets_slo(r: RequestResult, ttft_ms: float | None, itl_ms: float | None) -> bool:
-    """Goodput counts a request only when it finished and met every SLO given. The ITL SLO applies to
-    each gap (vLLM applies its `tpot` SLO to the mean; each gap is what a reader of the stream feels)."""
+# --goodput keys, values in ms. ttft, tpot and e2el are `vllm bench serve --goodput`'s, with its definitions; itl is
+# ours: the longest gap between two chunks of the request's stream (what a reader of the stream feels; vLLM's tpot
+# is that request's mean gap).
+SLO_KEYS = ("ttft", "tpot", "e2el", "itl")
+HTTP_TOO_MANY_REQUESTS = 429
+
+
+def slo_values_ms(r: RequestResult) -> dict[str, float]:
+    """The request's value of every SLO key, in ms. A request of one output token has no TPOT: vLLM counts it
+    as 0 (it meets any tpot SLO), and so do we."""
+    return {"ttft": 1000 * r.ttft, "tpot": 1000 * r.tpot, "e2el": 1000 * r.e2e,
+            "itl": 1000 * max(r.itls, default=0.0)}
+
+
+def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
+    """Goodput counts a request only when it finished and met every SLO given (a value equal to its SLO meets
+    it, as in vLLM). A refused (429) or failed request misses."""
     if not r.ok:
         return False
-    if ttft_ms is not None and r.ttft * 1000 > ttft_ms:
-        return False
-    return not (itl_ms is not None and r.itls and max(r.itls) * 1000 > itl_ms)
+    values = slo_values_ms(r)
+    return all(values[key] <= limit for key, limit in slo.items())
+
+
+def _rate(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else 0.0
+
+
+def _share(count: int, total: int) -> float:
+    return count / total if total else math.nan
 
 
 def summarize(results: list[RequestResult], duration_s: float, offered_rate: float,
               goodput: dict[str, float] | None = None) -> dict:
+    """One rate point. With goodput SLOs: good_requests, goodput (good req/s over duration_s), attainment (good
+    over every request sent: a refused request misses) and attainment_admitted (good over those not refused)."""
     done = [r for r in results if r.ok]
+    refused = [r for r in results if r.status == HTTP_TOO_MANY_REQUESTS]
     itls = [g for r in done for g in r.itls]
     out_tokens = sum(r.output_tokens for r in done)
     summary = {
         "offered_rate": offered_rate, "num_requests": len(results), "completed": len(done),
-        "failed": len(results) - len(done), "duration_s": duration_s,
-        "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
-        "output_throughput": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "failed": len(results) - len(done), "refused": len(refused), "duration_s": duration_s,
+        "request_throughput": _rate(len(done), duration_s),
+        "output_throughput": _rate(out_tokens, duration_s),
         "total_output_tokens": out_tokens,
         "ttft_ms": distribution([r.ttft for r in done]),
         "tpot_ms": distribution([r.tpot for r in done if r.output_tokens > 1]),
         "itl_ms": distribution(itls),
         "e2e_ms": distribution([r.e2e for r in done]),
+        "refusal_ms": distribution([r.e2e for r in refused]),  # how fast a 429 comes back
     }
     if goodput:
-        good = sum(meets_slo(r, goodput.get("ttft"), goodput.get("itl")) for r in results)
+        good = sum(meets_slo(r, goodput) for r in results)
         summary["goodput_slo"] = goodput
         summary["good_requests"] = good
-        summary["goodput"] = good / duration_s if duration_s > 0 else 0.0
+        summary["goodput"] = _rate(good, duration_s)
+        summary["attainment"] = _share(good, len(results))
+        summary["attainment_admitted"] = _share(good, len(results) - len(refused))
     return summary
 
 
+def parse_goodput_spec(spec: str) -> tuple[str, float]:
+    """'tpot:100' -> ('tpot', 100.0); ValueError with the reason otherwise (vLLM's rules: KEY:VALUE, a known
+    key, a non-negative number of ms)."""
+    key, sep, value = spec.partition(":")
+    if not sep:
+        raise ValueError(f"bad --goodput entry {spec!r}: expected KEY:MS, e.g. ttft:2000 tpot:100")
+    if key not in SLO_KEYS:
+        raise ValueError(f"bad --goodput entry {spec!r}: unknown key {key!r}; one of {', '.join(SLO_KEYS)}")
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"bad --goodput entry {spec!r}: {value!r} is not a number of ms") from None
+    if not math.isfinite(ms) or ms < 0:
+        raise ValueError(f"bad --goodput entry {spec!r}: the SLO must be a finite number of ms >= 0")
+    return key, ms
+
+
 def parse_goodput(specs: list[str] | None) -> dict[str, float]:
-    """['ttft:2000', 'itl:300'] -> {'ttft': 2000.0, 'itl': 300.0}."""
+    """['ttft:2000', 'tpot:100'] -> {'ttft': 2000.0, 'tpot': 100.0}; ValueError on a bad or repeated entry."""
     out: dict[str, float] = {}
     for spec in specs or []:
-        key, _, value = spec.partition(":")
-        if key not in ("ttft", "itl") or not value:
-            raise ValueError(f"bad --goodput entry {spec!r}; expected ttft:MS or itl:MS")
-        out[key] = float(value)
+        key, ms = parse_goodput_spec(spec)
+        if key in out:
+            raise ValueError(f"--goodput gives {key} twice")
+        out[key] = ms
     return out

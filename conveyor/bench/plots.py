@@ -1,4 +1,5 @@
-"""PNG figures: latency vs throughput across request rates, and ITL over time.
+"""PNG figures: latency vs throughput across request rates, ITL over time, and SLO attainment and goodput
+against the offered rate.
 
 matplotlib is not a dependency of `conveyor` (it is in the `bench` and `dev` extras): it is imported when a figure
 is drawn, so the benchmark itself runs without it and `conveyor bench` skips its PNGs (see `plots_available`).
@@ -71,6 +72,37 @@ def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: 
     ax.set_title(title)
     ax.legend(markerscale=3, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_goodput(per_target: dict[str, list[dict]], path: Path, title: str, slo: dict[str, float],
+                 attainment: float = 0.9) -> None:
+    """per_target: name -> summaries with goodput figures. Left: SLO attainment (share of every request sent, a
+    refused one missing) against the offered rate, the `attainment` line drawn; right: goodput against the offered
+    rate, with goodput = offered rate (every request good) drawn."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rates = sorted({r["offered_rate"] for rows in per_target.values() for r in rows})
+    for name, rows in per_target.items():
+        rows = sorted(rows, key=lambda r: r["offered_rate"])
+        xs = [r["offered_rate"] for r in rows]
+        left.plot(xs, [100 * r.get("attainment", float("nan")) for r in rows], marker="o", label=name)
+        right.plot(xs, [r.get("goodput", float("nan")) for r in rows], marker="o", label=name)
+    left.axhline(100 * attainment, color="red", linestyle="--", linewidth=1,
+                 label=f"{100 * attainment:g}% (capacity)")
+    left.set_ylim(0, 105)
+    left.set_ylabel("requests meeting the SLO (% of sent)")
+    right.plot(rates, rates, color="grey", linestyle=":", linewidth=1, label="all requests good")
+    right.set_ylim(bottom=0)
+    right.set_ylabel("goodput (req/s meeting the SLO)")
+    for ax in (left, right):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    slo_text = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
+    fig.suptitle(f"{title}\nSLO: {slo_text}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
