@@ -7,6 +7,8 @@ server keeps serving, and no KV block is leaked.
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import httpx
@@ -189,3 +191,80 @@ def test_schemathesis_finds_no_server_error(base_url: str) -> None:
     state = wait_until(lambda: (s := engine_state(APP))["num_block_tables"] == 0 and s, 15, "idle engine")
     assert state["num_free_blocks"] == state["num_blocks"] and state["num_waiting"] == state["num_running"] == 0
     print(f"\nschemathesis: {len(seen)} calls, statuses {sorted(set(seen))}")
+
+
+# ---- hostile bodies (issue 39, items 1-3): each a 400 with OpenAI's error body, or a 200 with finite numbers ------
+def _body(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode()  # ensure_ascii: a lone surrogate travels as its \ud800 escape
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+_USER = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + _nested(500) + "}"}}
+HOSTILE: dict[str, tuple[str, bytes]] = {
+    "deep_body": ("/v1/chat/completions", b"[" * 100_000),
+    "deep_body_in_an_object": ("/v1/completions", b'{"prompt": "x", "user": ' + _nested(65).encode() + b"}"),
+    "5000_digit_int": ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    "nan_literal": ("/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
+    "deep_structured_json_string": ("/v1/chat/completions", _body(
+        {"messages": _USER, "structured_outputs": {"json": '{"type": "array", "items": ' + "[" * 5000 + "}"}})),
+    "deep_tool_call_arguments": ("/v1/chat/completions", _body(
+        {"messages": [*_USER, {"role": "assistant", "tool_calls": [_CALL]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})),
+    "lone_surrogate_in_a_tool": ("/v1/chat/completions", _body(
+        {"messages": _USER, "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]})),
+    "repetition_penalty_underflow": ("/v1/completions", _body({"prompt": "x", "repetition_penalty": 1e-300})),
+    "too_many_tools": ("/v1/chat/completions", _body(
+        {"messages": _USER, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]})),
+    "too_many_stop_token_ids": ("/v1/completions", _body({"prompt": "x", "stop_token_ids": list(range(65))})),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_bodies_are_400s(base_url: str, case: str) -> None:
+    path, content = HOSTILE[case]
+    resp = httpx.post(base_url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 400, (resp.status_code, resp.text[:300])
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def _strict(text: str) -> Any:
+    """JSON as a strict client reads it: -Infinity or NaN is an error."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+
+def _finite_logprobs(choice: dict[str, Any]) -> list[float]:
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    values = [e["logprob"] for e in entries] + [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert all(math.isfinite(v) and v >= -9999.0 for v in values), values
+    return values
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_with_logprobs_is_finite_json(base_url: str, stream: bool) -> None:
+    body = {"messages": _USER, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True,
+            "top_logprobs": 20, "max_tokens": 4, "stream": stream}
+    resp = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text[:300]
+    if not stream:
+        values = _finite_logprobs(_strict(resp.text)["choices"][0])
+    else:
+        chunks = [_strict(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        values = [v for c in chunks for choice in c["choices"] for v in _finite_logprobs(choice)]
+    assert -9999.0 in values  # the masked alternatives among the top 20: reported at the floor, not -inf
+
+
+def test_a_fully_masked_first_step_is_a_client_error(base_url: str, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b")]
+    body = {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": stops,
+            "structured_outputs": {"regex": "[ab]c*"}}
+    resp = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and "no token to sample" in resp.json()["error"]["message"], resp.text[:300]
+    ok = httpx.post(base_url + "/v1/completions", json={"prompt": "still alive", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200, ok.text
