@@ -147,3 +147,14 @@ def test_a_masked_out_request_ends_with_error_and_its_neighbours_are_unchanged(e
     assert together[0] == together[2] == alone[0]
     assert alone[0][1] == "length"
     assert not engine.scheduler.requests
+
+
+def test_a_request_masked_out_mid_stream_keeps_its_tokens_and_ends_with_error(engine) -> None:
+    from tests.test_structured_outputs import run
+
+    vocab = engine.tokenizer.get_vocab()
+    stops = tuple(vocab[t] for t in ("a", "b", "xa", "xb") if t in vocab)  # all but "x" masked at first
+    params = SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=stops, structured=Spec("regex", "x[ab]"))
+    text, reason, token_ids = run(engine, [params])[0]
+    assert (text, reason, token_ids) == ("x", "error", [vocab["x"]])
+    assert not engine.scheduler.requests
