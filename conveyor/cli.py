@@ -7,7 +7,7 @@ import sys
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
+    from conveyor.serving.config import ADMISSION_POLICIES, KV_CACHE_DTYPES  # dataclasses only: no torch, no ray
 
     parser.add_argument("--model", default="smollm2", help="'smollm2', a local HF dir, or a .gguf file")
     parser.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
@@ -26,6 +26,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--itl-slo-ms", type=float, default=None,
                         help="tail-latency mode: size each step to keep inter-token latency under this target")
+    parser.add_argument("--tpot-slo-ms", type=_optional_ms, default=100.0,
+                        help="while requests decode, size each step to keep the mean time per output token under "
+                             "this target ('none': the fixed --max-num-batched-tokens budget)")
+    parser.add_argument("--ttft-slo-ms", type=_optional_ms, default=2000.0,
+                        help="with --admission-policy slo, refuse (429) a request whose predicted time to first "
+                             "token exceeds this ('none': no TTFT admission)")
+    parser.add_argument("--admission-policy", choices=list(ADMISSION_POLICIES), default="slo",
+                        help="slo: refuse what would miss --ttft-slo-ms, so admitted requests keep their SLO; "
+                             "queue: every request waits its turn up to the queue bounds")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule each step while the one before runs (vLLM's option; off by default)")
     parser.add_argument("--gguf-max-rows", type=int, default=None,
@@ -34,6 +43,19 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-decode-stack", dest="cpu_decode_stack", action="store_false",
                         help="CPU, model from a GGUF: run decode steps layer by layer from Python rather than in "
                              "one C++ call (for comparison; the outputs are the same)")
+
+
+def _optional_ms(text: str) -> float | None:
+    """A latency target in ms, or 'none' to switch it off."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds, got {text!r}")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
@@ -47,7 +69,9 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineC
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
-                                  itl_slo_ms=args.itl_slo_ms, async_scheduling=args.async_scheduling),
+                                  itl_slo_ms=args.itl_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                                  ttft_slo_ms=args.ttft_slo_ms, admission_policy=args.admission_policy,
+                                  async_scheduling=args.async_scheduling),
         attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows,
         cpu_decode_stack=args.cpu_decode_stack)
 

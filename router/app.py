@@ -77,6 +77,11 @@ class ServeArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
     itl_slo_ms: float | None = Field(None, gt=0)  # tail-latency mode: step budget sized to this ITL target
+    # SLO-aware scheduling (serving/step_budget.py): steps sized to the TPOT target; requests predicted to miss
+    # the TTFT target refused with 429 under admission_policy "slo"
+    tpot_slo_ms: float | None = Field(100.0, gt=0)
+    ttft_slo_ms: float | None = Field(2000.0, gt=0)
+    admission_policy: Literal["slo", "queue"] = "slo"
     async_scheduling: bool = False  # schedule each step while the one before runs (serving/step_pipeline.py)
     enable_prefix_caching: bool = True
     dtype: str = "auto"
@@ -121,7 +126,9 @@ class ServeArgs(BaseModel):
                                       max_waiting_requests=self.max_waiting_requests,
                                       max_waiting_tokens=self.max_waiting_tokens,
                                       max_queue_wait_s=self.max_queue_wait_s,
-                                      itl_slo_ms=self.itl_slo_ms, async_scheduling=self.async_scheduling),
+                                      itl_slo_ms=self.itl_slo_ms, tpot_slo_ms=self.tpot_slo_ms,
+                                      ttft_slo_ms=self.ttft_slo_ms, admission_policy=self.admission_policy,
+                                      async_scheduling=self.async_scheduling),
             attention_backend=self.attention_backend, enable_cuda_graphs=self.enable_cuda_graphs,
             gguf_max_rows=self.gguf_max_rows, cpu_decode_stack=self.cpu_decode_stack,
             grammar_compile_timeout_s=self.grammar_compile_timeout_s, stream_interval=self.stream_interval)

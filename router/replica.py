@@ -141,7 +141,7 @@ class EngineReplica:
                                  "could not be compiled for this model, or its settings left no token to sample "
                                  "(see the replica log)")
         except QueueFullError as exc:
-            self.metrics.observe_rejected("queue_full")
+            self.metrics.observe_rejected(exc.reason)
             yield {"error": "queue_full", "message": str(exc), "retry_after_s": exc.retry_after_s}
             return
         except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError: odd text lands here too

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 # vLLM's kv_cache_dtype values we support: "auto" is the model's dtype; "fp8" is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# SchedulerConfig.admission_policy: refuse what would miss its TTFT target, or queue everything up to the bounds.
+ADMISSION_POLICIES = ("slo", "queue")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,18 @@ class SchedulerConfig:
     # Tail-latency mode: size every step's token budget so its predicted time stays under this inter-token
     # latency target (measured online), admitting prefill chunks only with the slack. None: fixed budget.
     itl_slo_ms: float | None = None
-    # Aim the step's tail prediction at this fraction of the SLO: it leaves room for the work between steps
+    # SLO-aware scheduling, on by default (Sarathi-Serve's stall-free batching with the chunk sized by time, not
+    # by a fixed token count): while requests decode, each step carries the prefill tokens that keep its predicted
+    # time (the fitted mean: TPOT is a mean over a request's tokens) under tpot_slo_ms * slo_headroom; a step with
+    # no decodes takes up to max_num_batched_tokens. None: the fixed max_num_batched_tokens budget.
+    tpot_slo_ms: float | None = 100.0
+    # Admission by time to first token. "slo": a request whose predicted first-token time (the prefill queued
+    # ahead of it at the pace the step budget allows, plus its own) exceeds ttft_slo_ms * slo_headroom is refused
+    # at once (QueueFullError, HTTP 429 with Retry-After), so the requests admitted keep their SLO past capacity.
+    # "queue": every request waits its turn up to the queue bounds, as vLLM does. None: no TTFT admission.
+    ttft_slo_ms: float | None = 2000.0
+    admission_policy: str = "slo"
+    # Aim the step's prediction at this fraction of the SLO: it leaves room for the work between steps
     # (detokenizing, streaming) that the client sees in its inter-token gaps but the step timer does not.
     slo_headroom: float = 0.85
     # Tail-latency mode never lets pending prefill stall: each step gives it at least this many tokens, even
@@ -70,8 +83,13 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
-        if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
-            raise ValueError("itl_slo_ms must be > 0")
+        for name in ("itl_slo_ms", "tpot_slo_ms", "ttft_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy must be one of {', '.join(ADMISSION_POLICIES)}; "
+                             f"got {self.admission_policy!r}")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:

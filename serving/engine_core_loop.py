@@ -131,7 +131,7 @@ class _Core:
             # its request with finish_reason "error".
             self.engine.add_request(self.engine.make_request(prompt, params, request_id, validate_grammar=False))
         except QueueFullError as exc:
-            self.conn.send(("reject", request_id, "queue_full", str(exc), exc.retry_after_s))
+            self.conn.send(("reject", request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:
             self.conn.send(("reject", request_id, "invalid_request", str(exc), 0.0))
 

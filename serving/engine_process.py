@@ -40,7 +40,7 @@ from conveyor.serving.openmp_runtime import child_openmp_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
-from conveyor.serving.scheduler import QueueFullError
+from conveyor.serving.scheduler import REFUSAL_REASONS, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class ProcessEngine:
             self._set_load(message[1])
         elif kind == "reject":
             _, request_id, error_kind, text, retry_after_s = message
-            exc = (QueueFullError(text, retry_after_s) if error_kind == "queue_full" else
+            exc = (QueueFullError(text, retry_after_s, error_kind) if error_kind in REFUSAL_REASONS else
                    ValueError(text) if error_kind == "invalid_request" else RuntimeError(text))
             self._post(request_id, exc)
         elif kind == "reply":

@@ -52,8 +52,18 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks, leaving at least one token to compute (for its logits)."""
+        hits = self._cached_prefix(request)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def peek_num_cached_tokens(self, request: Request) -> int:
+        """What get_computed_blocks would find now, without counting a prefix-cache query (admission estimates)."""
+        return len(self._cached_prefix(request)) * self.block_size
+
+    def _cached_prefix(self, request: Request) -> list[KVBlock]:
         if not self.enable_prefix_caching:
-            return [], 0
+            return []
         num_full = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, num_full)
         hits: list[KVBlock] = []
@@ -65,9 +75,7 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = block_hash
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        return hits
 
     def _num_blocks_short(self, request: Request, num_new_tokens: int, computed: list[KVBlock]) -> int:
         held = self.block_tables.get(request.request_id, [])

@@ -30,7 +30,8 @@ class LLM:
                  kv_cache_bytes: int | None = None, memory_fraction: float = 0.25,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, dtype: str = "auto",
                  device: str = "auto", attention_backend: str = "auto", seed: int = 0,
-                 itl_slo_ms: float | None = None, gguf_max_rows: int | None = None,
+                 itl_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+                 ttft_slo_ms: float | None = None, gguf_max_rows: int | None = None,
                  kv_cache_dtype: str = "auto", async_scheduling: bool = False, cpu_decode_stack: bool = True) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
@@ -38,7 +39,8 @@ class LLM:
                               memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      scheduling=scheduling, itl_slo_ms=itl_slo_ms,
+                                      scheduling=scheduling, itl_slo_ms=itl_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                                      ttft_slo_ms=ttft_slo_ms,
                                       async_scheduling=async_scheduling),
             attention_backend=attention_backend, gguf_max_rows=gguf_max_rows, cpu_decode_stack=cpu_decode_stack)
         self.engine = LLMEngine(config)

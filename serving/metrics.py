@@ -140,7 +140,7 @@ class EngineMetrics:
         # Create the label sets a dashboard reads, so every family is present (at 0) from the first scrape.
         for reason in ("stop", "length"):
             REQUESTS_FINISHED.labels(*lv, reason)
-        for reason in ("queue_full", "invalid_request"):
+        for reason in ("queue_full", "ttft_slo", "invalid_request"):
             REQUESTS_REJECTED.labels(*lv, reason)
         self._last_token: dict[str, float] = {}  # request_id -> time of its latest token (monotonic)
         self._steps = 0

@@ -13,13 +13,18 @@ from conveyor.serving.request import Request, RequestStatus
 from conveyor.serving.step_budget import StepBudget
 from conveyor.serving.step_cost import StepCostModel
 
+# QueueFullError.reason values; also the `reason` label of conveyor_requests_rejected_total.
+REFUSAL_REASONS = ("queue_full", "ttft_slo")
+
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+    """The engine refuses a request for now (HTTP 429): its waiting queue is at a bound ("queue_full"), or the
+    request would miss its time-to-first-token target ("ttft_slo"). The caller should retry later."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, reason: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class Scheduler:
@@ -32,6 +37,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_refused_ttft = 0  # requests refused by TTFT admission (admission_policy "slo")
         self._num_waiting_tokens = 0
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
@@ -69,8 +75,25 @@ class Scheduler:
             if wait_s > self.config.max_queue_wait_s:
                 raise QueueFullError(f"expected wait for a batch slot ({wait_s:.1f} s) exceeds max_queue_wait_s",
                                      retry_after_s=min(wait_s, 60.0))
+        if self.budget.sheds_by_ttft:
+            self._check_ttft(request)
         self.requests[request.request_id] = request
         self._enqueue(request)
+
+    def _check_ttft(self, request: Request) -> None:
+        """Refuse a request whose first token is predicted later than the TTFT target: the prefill queued ahead
+        of it and its own uncached prompt, at the pace the step budget grants prefill."""
+        ahead = self._num_waiting_tokens + sum(n for r in self.running if (n := r.num_tokens_to_schedule) > 1)
+        if ahead == 0:
+            return  # nothing to wait for: a prompt too long for the target alone would miss it at any time
+        backlog = ahead + request.num_tokens - self.kv_cache.peek_num_cached_tokens(request)
+        ttft_s = self.budget.predicted_ttft_s(self.running, backlog)
+        limit_s = self.budget.ttft_limit_s()
+        if ttft_s is not None and ttft_s > limit_s:
+            self.num_refused_ttft += 1
+            raise QueueFullError(f"predicted time to first token {ttft_s:.1f} s exceeds the {limit_s:.1f} s target "
+                                 "(ttft_slo_ms x slo_headroom)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
+                                 reason="ttft_slo")
 
     def expected_queue_wait_s(self) -> float:
         """How long a request arriving now would wait for a batch slot: the running requests free theirs

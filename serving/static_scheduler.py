@@ -6,15 +6,22 @@ joins a batch while any member still runs, and a batch is admitted only if every
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from conveyor.serving.kv_cache_manager import cdiv
+from conveyor.serving.config import SchedulerConfig
+from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.outputs import ScheduledChunk
 from conveyor.serving.request import Request, RequestStatus
 from conveyor.serving.scheduler import Scheduler
 
 
 class StaticScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        # The baseline as it is classically run: a fixed token budget and a plain queue, no latency targets
+        # (they pace chunks that this scheduler never mixes with decodes).
+        super().__init__(dataclasses.replace(config, tpot_slo_ms=None, ttft_slo_ms=None), kv_cache, max_model_len)
+
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> int:
         if self.running:
             return budget

@@ -1,8 +1,18 @@
-"""Tail-latency mode (SchedulerConfig.itl_slo_ms): each step's token budget, and whether the batch may grow, sized
-so the step's predicted time stays under the inter-token latency target (step_cost.py learns the cost online).
-Without a target the budget is max_num_batched_tokens and the batch grows to max_num_seqs. No torch here."""
+"""Each step's token budget, whether the batch may grow, and the predicted wait for a first token, from the latency
+targets in SchedulerConfig and the step cost the engine measures (step_cost.py). No torch here.
+
+Two targets size a step while requests decode:
+- tpot_slo_ms (the default, 100 ms): the step's predicted MEAN time stays under tpot_slo_ms * slo_headroom. TPOT
+  is a mean over a request's output tokens, so planning against the fitted mean is what keeps it, and the prefill
+  chunk grows to whatever the decodes leave (Sarathi-Serve sizes chunks the same way, from a profiled budget).
+- itl_slo_ms (tail-latency mode): the step's TAIL prediction (mean x the tracked p99 misfit) stays under
+  itl_slo_ms * slo_headroom, and the batch grows only while a decode step over it still fits.
+With both, the stricter holds; with neither, the budget is max_num_batched_tokens. A step with no decodes delays
+no stream, so under the TPOT target alone it takes up to max_num_batched_tokens.
+"""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from conveyor.serving.config import SchedulerConfig
@@ -20,15 +30,20 @@ class StepBudget:
 
     @property
     def reads_step_cost(self) -> bool:
-        """Only the tail-latency mode sizes steps from the step-cost model; otherwise nobody needs it fitted."""
-        return self.config.itl_slo_ms is not None
+        """Whether anything plans with the step-cost model (otherwise nobody needs it fitted)."""
+        c = self.config
+        return c.itl_slo_ms is not None or c.tpot_slo_ms is not None or self.sheds_by_ttft
+
+    @property
+    def sheds_by_ttft(self) -> bool:
+        return self.config.ttft_slo_ms is not None and self.config.admission_policy == "slo"
 
     def tokens(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
-        """This step's token budget: fixed, or in tail-latency mode what the step-cost model says fits the
-        ITL target. Running decodes always fit (starving a stream would hurt its latency more), and pending
-        prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill the target."""
+        """This step's token budget. Running decodes always fit (starving a stream would hurt its latency more),
+        and pending prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill
+        the target."""
         limit = self.config.max_num_batched_tokens
-        if self.config.itl_slo_ms is None:
+        if self.config.itl_slo_ms is None and self.config.tpot_slo_ms is None:
             return limit
         if not self.step_cost.ready:
             return min(limit, max(COLD_START_BUDGET, len(running)))
@@ -38,23 +53,59 @@ class StepBudget:
         if not prefills and waiting:
             prefills = [waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
-        num_seqs = len(running) + (1 if waiting else 0)
-        fits = self.step_cost.max_tokens_within(
-            self._target_step_s(), num_seqs, num_decodes=len(decodes),
-            decode_kv_reads=sum(r.num_tokens for r in decodes),
-            prefill_context=prefills[0].num_computed_tokens if prefills else 0)
+        fits = self._fits(len(decodes), len(running) + (1 if waiting else 0), sum(r.num_tokens for r in decodes),
+                          prefills[0].num_computed_tokens if prefills else 0)
         return min(limit, max(fits, floor, 1))
 
+    def _fits(self, num_decodes: int, num_seqs: int, decode_kv_reads: int, prefill_context: int) -> int:
+        """The most tokens (decodes included) that the targets let a step carry."""
+        fits = self.config.max_num_batched_tokens
+        if num_decodes == 0 and self.config.itl_slo_ms is None:
+            return fits
+        for target_s, tail in self._targets():
+            fits = min(fits, self.step_cost.max_tokens_within(
+                target_s, num_seqs, num_decodes=num_decodes, decode_kv_reads=decode_kv_reads,
+                prefill_context=prefill_context, tail=tail))
+        return fits
+
+    def _targets(self) -> list[tuple[float, bool]]:
+        """(step time target in seconds, plan against the tail prediction) for each target that is set."""
+        c = self.config
+        targets = []
+        if c.itl_slo_ms is not None:
+            targets.append((c.itl_slo_ms / 1000 * c.slo_headroom, True))
+        if c.tpot_slo_ms is not None:
+            targets.append((c.tpot_slo_ms / 1000 * c.slo_headroom, False))
+        return targets
+
     def batch_has_room(self, running: Sequence[Request], waiting: Sequence[Request]) -> bool:
-        """Tail-latency mode caps the batch: admit one more sequence only if a decode step over the larger
-        batch (the new request's prompt included in the context read) is still predicted under the target.
-        Otherwise new requests wait (and past the queue bound get 429), which keeps the admitted streams'
-        inter-token latency."""
-        if self.config.itl_slo_ms is None or not self.step_cost.ready or not running:
+        """Admit one more sequence only if a decode step over the larger batch (the new request's prompt included
+        in the context read) is still predicted under every target. Otherwise new requests wait (and past the
+        queue bound, or their TTFT target, get 429), which keeps the admitted streams' inter-token latency."""
+        if not running or not self.step_cost.ready or not self._targets():
             return True
         num_seqs = len(running) + 1
         kv_reads = sum(r.num_tokens for r in running) + waiting[0].num_tokens
-        return self.step_cost.predict_tail(num_seqs, num_seqs, kv_reads) <= self._target_step_s()
+        return all((self.step_cost.predict_tail if tail else self.step_cost.predict)(num_seqs, num_seqs, kv_reads)
+                   <= target_s for target_s, tail in self._targets())
 
-    def _target_step_s(self) -> float:
-        return self.config.itl_slo_ms / 1000 * self.config.slo_headroom
+    def predicted_ttft_s(self, running: Sequence[Request], num_backlog_tokens: int) -> float | None:
+        """How long until num_backlog_tokens of prefill (the queue ahead of a new request, plus its own prompt)
+        are computed, at the pace this budget grants prefill with today's decodes; None until the step-cost
+        model has a fit."""
+        if not self.step_cost.ready:
+            return None
+        num_decodes = sum(1 for r in running if r.num_tokens_to_schedule <= 1)
+        decode_kv_reads = sum(r.num_tokens for r in running if r.num_tokens_to_schedule <= 1)
+        num_seqs = len(running) + 1
+        step_tokens = min(self.config.max_num_batched_tokens,
+                          max(self._fits(num_decodes, num_seqs, decode_kv_reads, 0),
+                              num_decodes + self.config.min_prefill_tokens))
+        prefill_per_step = step_tokens - num_decodes
+        # Each chunk of a prompt reads the chunks before it: charge the average context of a prompt this long.
+        num_steps = math.ceil(num_backlog_tokens / prefill_per_step)
+        step_s = self.step_cost.predict(step_tokens, num_seqs, decode_kv_reads + prefill_per_step * step_tokens // 2)
+        return num_steps * step_s
+
+    def ttft_limit_s(self) -> float:
+        return self.config.ttft_slo_ms / 1000 * self.config.slo_headroom

@@ -91,14 +91,14 @@ class StepCostModel:
         return self.predict(num_tokens, num_seqs, kv_reads) * self.margin
 
     def max_tokens_within(self, target_s: float, num_seqs: int, num_decodes: int = 0, decode_kv_reads: int = 0,
-                          prefill_context: int = 0) -> int:
+                          prefill_context: int = 0, tail: bool = True) -> int:
         """The most tokens a step can carry with its tail prediction under target_s: num_decodes decodes reading
         decode_kv_reads rows, plus n prefill tokens of a prompt whose chunk starts at prefill_context (token k of
         the chunk reads prefill_context + k rows, so n of them read n * prefill_context + n (n + 1) / 2).
-        Returns num_decodes + n."""
+        Returns num_decodes + n. tail: plan against the tail prediction (predict_tail), else the mean."""
         a, b, c, d = self._coef or (0.0, 1.0, 0.0, 0.0)
         d *= KV_SCALE
-        room = target_s / self.margin - (a + b * num_decodes + c * num_seqs + d * decode_kv_reads)
+        room = target_s / (self.margin if tail else 1.0) - (a + b * num_decodes + c * num_seqs + d * decode_kv_reads)
         if room <= 0:
             return num_decodes
         # Largest n with (d / 2) n^2 + (b + d (prefill_context + 1/2)) n <= room.
