@@ -194,7 +194,7 @@ class Ingress:
         try:
             data = json_limits.loads(text)  # depth, digit limit, NaN, lone surrogates: all a 400
         except ValueError as exc:
-            raise ApiError.invalid(str(exc), code="invalid_json") from None
+            raise ApiError.invalid(str(exc), code=getattr(exc, "code", "invalid_json")) from None
         if not isinstance(data, dict):
             raise ApiError.invalid("request body must be a JSON object", code="invalid_json")
         try:

@@ -21,7 +21,12 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class JsonLimitError(ValueError):
-    """Valid JSON past a limit (depth) or with a lone surrogate: refused even where malformed JSON is tolerated."""
+    """Valid JSON past a limit (depth) or with a lone surrogate: refused even where malformed JSON is tolerated.
+    `code` is the OpenAI error code the ingress answers with."""
+
+    def __init__(self, message: str, code: str = "invalid_json") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _refuse_constant(name: str) -> Any:
@@ -79,4 +84,5 @@ def _check_unicode(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise JsonLimitError(f"{what} holds a string that is not valid Unicode (a lone surrogate)") from None
+        raise JsonLimitError(f"{what} holds a string that is not valid Unicode (a lone surrogate)",
+                             code="invalid_value") from None

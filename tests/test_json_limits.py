@@ -84,3 +84,12 @@ def test_a_chat_template_that_raises_is_a_value_error(tiny_model_dir) -> None:
     assert apply_chat_template(tokenizer, USER) == "hi"
     with pytest.raises(ValueError, match="roles must alternate"):
         apply_chat_template(tokenizer, [*USER, *USER])
+
+
+def test_error_codes_the_ingress_answers_with() -> None:
+    with pytest.raises(json_limits.JsonLimitError) as surrogate:
+        json_limits.loads('{"prompt": "a\\ud800b"}')
+    assert surrogate.value.code == "invalid_value"  # a bad string value, as the models' own check says
+    with pytest.raises(json_limits.JsonLimitError) as deep:
+        json_limits.loads(nested(100))
+    assert deep.value.code == "invalid_json"
