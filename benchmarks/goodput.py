@@ -11,6 +11,10 @@ process it started, and the next target starts. Per rate and target: attainment 
 SLO, over every request sent: a 429 misses; and over the admitted ones), goodput, refusals, TTFT/TPOT/ITL/E2E
 percentiles, output tok/s; capacity = the highest rate with >= 90% attainment (and every lower rate too).
 
+Target `inproc`: the conveyor target's engine (its settings, --conveyor-args included) driven in this process
+(AsyncEngine: no HTTP, Ray or engine process) through the same points: the gap to `conveyor` is what the serving
+path costs under the SLO. Put it last: it loads torch into this process.
+
 --cross-check-vllm-client RATE: after a target's sweep, our client and vLLM's own (`vllm bench serve --goodput`,
 benchmarks/vllm_bench_client.py) each run RATE against the same server, on prompts of the same distribution (their
 own token-id prompts, so neither is served from the other's cache), without the warm-up window (vLLM's client has
@@ -60,7 +64,7 @@ try:
 except ModuleNotFoundError as exc:  # run as a file, the repository root is not on sys.path
     raise SystemExit("run it from the repository root: .venv/bin/python -m benchmarks.goodput") from exc
 
-TARGETS = ("conveyor", "static", "vllm")
+TARGETS = ("conveyor", "static", "vllm", "inproc")
 VLLM_SLO_KEYS = ("ttft", "tpot", "e2el")  # what vLLM's client accepts (itl is ours)
 
 
@@ -131,8 +135,50 @@ def server_settings(args: argparse.Namespace, target: str) -> argparse.Namespace
                               vllm_arg=extra)
 
 
+def inproc_engine_config(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported late (torch)
+    """The engine a `conveyor serve` replica would run with --conveyor-args, from the same parsers and ServeArgs."""
+    from conveyor.cli import _add_engine_args
+    from conveyor.router.app import ServeArgs
+    from conveyor.router.serve_cli import add_serve_args, serve_args_from
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    add_serve_args(parser)
+    flags = parser.parse_args(["--dtype", args.dtype, *shlex.split(args.conveyor_args)])
+    return ServeArgs.model_validate(serve_args_from(flags, parser) | {"model": args.model}).engine_config()
+
+
+def run_inproc_target(args: argparse.Namespace) -> TargetRun:
+    """The conveyor target's engine (AsyncEngine, its settings) in this process, no HTTP, Ray or engine process:
+    the same points, so the gap to the served rows is what the serving path costs under the SLO."""
+    import asyncio
+
+    from conveyor.bench.inproc import run_inproc
+    from conveyor.bench.metrics import summarize
+    from conveyor.bench.runner import measured_window
+    from conveyor.serving.async_engine import AsyncEngine
+
+    run = TargetRun("inproc")
+    started = time.monotonic()
+    engine = AsyncEngine.from_config(inproc_engine_config(args))
+    run.startup_s = time.monotonic() - started
+    try:
+        for i, rate in enumerate(args.request_rates):
+            plan = plan_point(args, rate, i)
+            results, _ = asyncio.run(run_inproc(engine, plan.requests, plan.offsets))
+            measured, duration = measured_window(plan, results)
+            summary = summarize(measured, duration, rate, parse_goodput(args.goodput))
+            run.rows.append(summary)
+            print(goodput_row("inproc", summary), flush=True)
+    finally:
+        engine.shutdown()
+    return run
+
+
 def run_target(args: argparse.Namespace, target: str) -> TargetRun:
     """Start the target's server alone, sweep the rates (and the cross-check), stop every process it started."""
+    if target == "inproc":
+        return run_inproc_target(args)
     run = TargetRun(target)
     before, port = set(snapshot()), free_port()
     starter = start_vllm if target == "vllm" else start_conveyor

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from conveyor.bench.metrics import RequestResult
+from conveyor.bench.metrics import HTTP_TOO_MANY_REQUESTS, RequestResult
 from conveyor.bench.workload import BenchRequest
 from conveyor.serving.async_engine import AsyncEngine
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.request import SamplingParams
+from conveyor.serving.scheduler import QueueFullError
 
 
 def make_engine(model: str = "smollm2", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
@@ -39,6 +40,9 @@ async def stream_one(engine: AsyncEngine, req: BenchRequest, t0: float, timeout_
                 n = len(out.token_ids)
         res.e2e = time.perf_counter() - send
         res.output_tokens, res.ok = n, n > 0
+    except QueueFullError as exc:  # what `conveyor serve` answers with 429: count it as the client would
+        res.status, res.e2e = HTTP_TOO_MANY_REQUESTS, time.perf_counter() - send
+        res.error = f"refused: {exc}"[:300]
     except (TimeoutError, RuntimeError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:300]
     return res
