@@ -1,5 +1,5 @@
 # The two commands a new user runs: `make serve` and `make test`. Both set up .venv first (idempotent).
-.PHONY: setup serve generate test lint bench
+.PHONY: setup serve generate test test-fast lint bench
 
 setup:
 	scripts/setup.sh
@@ -12,6 +12,11 @@ generate: setup
 
 test: setup
 	.venv/bin/python -m pytest -q --durations=25
+
+# The inner loop: every test that starts no Ray and loads no real model (markers `ray`, `slow`: tests/conftest.py,
+# pyproject.toml); `make test` runs them all.
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not ray and not slow" --durations=10
 
 lint: setup
 	.venv/bin/ruff check .

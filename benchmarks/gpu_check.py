@@ -1,7 +1,7 @@
 """One prepared GPU check for a session lent an H200 (run through benchmarks/gpu_check.sh; 5 minutes at most).
 
 1. measures the device-to-device copy rate (the bandwidth ceiling: bytes read + written / time);
-2. builds the CUDA extension (kernels/csrc) and reports the build time;
+2. builds the CUDA extension (conveyor/kernels/csrc) and reports the build time;
 3. runs `pytest -m gpu tests/kernels tests/test_cuda_graphs.py` in-process (every backend vs the float64
    reference, poisoned outputs; CUDA-graph replay vs eager);
 4. times each backend's decode attention with CUDA events (triton.testing.do_bench, median, L2 flushed):
@@ -9,7 +9,7 @@
    achieved bandwidth (K/V bytes read / time) against the copy rate;
 5. with --engine (run before 4, which fills the time left): SmolLM2-shaped engine throughput (random bf16
    weights, 64 prompts x 128 in x 128 out, greedy) with CUDA graphs on and off, and with graphs and async
-   scheduling on (serving/step_pipeline.py: step N+1 scheduled while step N runs).
+   scheduling on (conveyor/serving/step_pipeline.py: step N+1 scheduled while step N runs).
 Writes everything to $OUT/gpu_check.json when OUT is set. Needs no internet and no install: the repository
 root
 is mapped onto the `conveyor` package below.
@@ -30,13 +30,8 @@ T0 = time.monotonic()
 
 
 def _map_package() -> None:
-    """Make `conveyor.kernels` (ROOT/kernels) and `conveyor.serving` importable without `pip install`."""
+    """Make `conveyor.kernels` and `conveyor.serving` importable without `pip install`."""
     sys.path.insert(0, str(ROOT))
-    import conveyor
-
-    if str(ROOT) not in conveyor.__path__:
-        # conveyor.X falls back to ROOT/X, as pyproject's package-dir maps it
-        conveyor.__path__.append(str(ROOT))
 
 
 def _time_left() -> float:

@@ -11,6 +11,17 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: to
 
 from tests.tiny_model import build_tiny_llama  # noqa: E402
 
+# Tests that start Ray (through `serve_cluster` or test_routing's `serve_instance`, or `conveyor serve` itself) get
+# the `ray` marker here; `make test-fast` (`-m "not ray and not slow"`) leaves them and the real-model tests out.
+RAY_FIXTURES = frozenset({"serve_cluster", "serve_instance"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if RAY_FIXTURES.intersection(names) or (item.path.name == "test_cli_serve.py" and "server" in names):
+            item.add_marker(pytest.mark.ray)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""Async scheduling (serving/step_pipeline.py): step N+1 is scheduled before step N's tokens are known, and the
+"""Async scheduling (conveyor/serving/step_pipeline.py): step N+1 is scheduled before step N's tokens are known, and the
 output is the synchronous engine's, token for token, through chunked prefill, preemption, prefix hits, stops found
 a step late, aborts, penalties and seeded sampling."""
 from __future__ import annotations

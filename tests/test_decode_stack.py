@@ -56,7 +56,7 @@ def test_decode_steps_equal_the_module_path(quantized_dir, engine_kwargs, monkey
     assert [len(r.token_ids) for r in results] == NUM_TOKENS
     if engine_kwargs["num_kv_blocks"] == 12:
         assert steps and llm.engine.scheduler.num_preemptions_total > 0
-    else:  # 1-3 rows take GGUF's rows of blocks, 4-5 the interleaved layout (kernels/gguf.py): both ran
+    else:  # 1-3 rows take GGUF's rows of blocks, 4-5 the interleaved layout (conveyor/kernels/gguf.py): both ran
         assert min(steps) <= 3 and max(steps) >= 4, steps
 
 

@@ -1,4 +1,4 @@
-"""The hand-back registry (router/drain.py) on its own, with the router's events sent from another thread as
+"""The hand-back registry (conveyor/router/drain.py) on its own, with the router's events sent from another thread as
 Serve's router loop does; and the request router still serializable the way Serve ships it (by value)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The persistent batch (serving/input_batch.py): rows follow the scheduler's tables through every step."""
+"""The persistent batch (conveyor/serving/input_batch.py): rows follow the scheduler's tables through every step."""
 from __future__ import annotations
 
 import numpy as np

@@ -12,7 +12,7 @@ from transformers import AutoConfig, MistralConfig, Qwen2Config
 from conveyor.serving.models.llama import LlamaForCausalLM, _head_dim, rope_inv_freq
 from conveyor.serving.models.loader import build_model, read_config
 
-# Every attribute serving/ reads from a model config, with the default its getattr uses.
+# Every attribute conveyor/serving/ reads from a model config, with the default its getattr uses.
 READ = {"model_type": None, "hidden_size": None, "num_attention_heads": None, "num_hidden_layers": None,
         "intermediate_size": None, "vocab_size": None, "rms_norm_eps": None, "max_position_embeddings": 2048,
         "num_key_value_heads": None, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,

@@ -1,5 +1,5 @@
 """A starting replica runs at the engine's niceness, then goes back to Ray's: the calling thread and the threads it
-started meanwhile, not the threads that were there before (serving/priority.py)."""
+started meanwhile, not the threads that were there before (conveyor/serving/priority.py)."""
 from __future__ import annotations
 
 import json

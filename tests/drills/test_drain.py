@@ -36,7 +36,9 @@ ROUTE = "/drill-drain"
 @pytest.fixture
 def app_args(tiny_model_dir) -> dict[str, Any]:
     return {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64, "max_num_seqs": 2,
-            "torch_num_threads": 1, "num_cpus": 1}
+            "torch_num_threads": 1, "num_cpus": 1,
+            # every request waits its turn: the drill is about drains losing nothing, not about SLO refusals
+            "admission_policy": "queue"}
 
 
 @contextmanager

@@ -27,7 +27,8 @@ CLIENTS = 6
 @pytest.fixture(scope="module")
 def base_url(serve_cluster: str, tiny_model_dir):
     args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_replicas": 2, "num_kv_blocks": 64,
-            "max_num_seqs": 2, "torch_num_threads": 1, "num_cpus": 1}
+            "max_num_seqs": 2, "torch_num_threads": 1, "num_cpus": 1,
+            "admission_policy": "queue"}  # the drill counts lost requests; a refusal under load is not one
     with deploy(args, APP, "/drill-kill"):
         yield serve_cluster + "/drill-kill"
 

@@ -1,4 +1,4 @@
-"""The fused CPU norm and rope ops (kernels/cpu_fused.py) against the torch code they replace."""
+"""The fused CPU norm and rope ops (conveyor/kernels/cpu_fused.py) against the torch code they replace."""
 from __future__ import annotations
 
 import pytest

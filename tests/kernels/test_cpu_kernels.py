@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/csrc/cpu/, backend "cpu") against reference.py."""
+"""The C++ CPU kernels (conveyor/kernels/csrc/cpu/, backend "cpu") against reference.py."""
 from __future__ import annotations
 
 import warnings

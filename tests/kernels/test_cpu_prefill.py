@@ -1,5 +1,5 @@
 """The CPU prefill kernel (csrc/cpu/prefill_attention_cpu.cpp) and backend "cpu"'s split of a step between it and
-the decode kernel (kernels/cpu_plan.py), against reference.py."""
+the decode kernel (conveyor/kernels/cpu_plan.py), against reference.py."""
 from __future__ import annotations
 
 import pytest

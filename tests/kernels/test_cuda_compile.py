@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-CSRC = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+CSRC = pathlib.Path(__file__).resolve().parents[2] / "conveyor" / "kernels" / "csrc"
 NVCC = shutil.which("nvcc")
 
 

@@ -1,4 +1,4 @@
-"""The GGUF-block linear (kernels/gguf.py) against its torch reference: dequantize, then an fp32 matmul."""
+"""The GGUF-block linear (conveyor/kernels/gguf.py) against its torch reference: dequantize, then an fp32 matmul."""
 from __future__ import annotations
 
 import numpy as np

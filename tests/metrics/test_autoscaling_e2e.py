@@ -29,7 +29,8 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica":
 def base_url(metrics_cluster: str, tiny_model_dir) -> Iterator[str]:  # noqa: ANN001
     # max_num_seqs 2: a handful of clients is enough to build a queue on one replica.
     args = {"model": str(tiny_model_dir), "served_model_name": MODEL, "num_kv_blocks": 128, "max_num_seqs": 2,
-            "torch_num_threads": 1, "num_cpus": 1, "autoscaling": AUTOSCALING}
+            "torch_num_threads": 1, "num_cpus": 1, "autoscaling": AUTOSCALING,
+            "admission_policy": "queue"}  # a queue, not SLO refusals, is the signal this test scales on
     with deploy(args, APP, PREFIX):
         yield metrics_cluster + PREFIX
 

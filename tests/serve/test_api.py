@@ -246,7 +246,7 @@ def test_first_chunk_is_not_buffered(base_url: str) -> None:
                 first_at = first_at or time.monotonic() - start
                 lines.append(line)
     total = time.monotonic() - start
-    # Tokens that queue up behind a busy path travel together (router/replica.py), so chunks <= tokens.
+    # Tokens that queue up behind a busy path travel together (conveyor/router/replica.py), so chunks <= tokens.
     assert lines[-1] == "data: [DONE]" and 3 <= len(lines) <= 402
     assert json.loads(lines[-2][len("data:"):])["usage"]["completion_tokens"] == 400
     assert first_at < 0.5 * total, (first_at, total)
@@ -306,7 +306,7 @@ def test_disconnect_before_a_plain_response_aborts(base_url: str) -> None:
 
 def test_concurrent_streams_share_messages_and_equal_their_plain_answers(client: OpenAI) -> None:
     """Streamed records from the replica come on the ingress's subscription, several streams per message
-    (router/mux.py), and reassemble to exactly what the non-streamed requests return: text, tokens, logprobs,
+    (conveyor/router/mux.py), and reassemble to exactly what the non-streamed requests return: text, tokens, logprobs,
     finish reason and usage."""
     import threading
     from concurrent.futures import ThreadPoolExecutor

@@ -136,7 +136,7 @@ def test_a_client_gone_mid_stream_frees_the_engine(server) -> None:
 
 def test_the_local_ray_runs_no_log_monitor(server) -> None:
     """Without -v no worker output goes to the driver, so Ray's log monitor (which polls the log folder ten
-    times a second to stream it there) is stopped after start (router/serve_cli.py, _stop_log_monitor)."""
+    times a second to stream it there) is stopped after start (conveyor/router/serve_cli.py, _stop_log_monitor)."""
     _, proc, _ = server
     children = [cmd for _, parent, cmd in _processes() if parent == proc.pid]
     assert any("gcs_server" in c for c in children), children  # the driver started this Ray's processes
@@ -155,7 +155,7 @@ def test_the_local_ray_keeps_token_authentication(server) -> None:
 
 def test_ray_runs_under_sched_batch_and_the_engine_does_not(server) -> None:
     """Ray's processes inherit the driver's SCHED_BATCH (a waking one waits for the engine's slice instead of
-    preempting it); every thread of the engine process runs under the normal policy (serving/priority.py)."""
+    preempting it); every thread of the engine process runs under the normal policy (conveyor/serving/priority.py)."""
     _, proc, before = server
     ray_pids = [pid for pid, parent, cmd in _processes()
                 if (parent == proc.pid and "gcs_server" in cmd) or cmd.startswith("ray::ServeRepli")]

@@ -159,7 +159,7 @@ def test_direct_ingress_settings_for_conveyor_serve() -> None:
     # Serve allocates ingress ports from [min, max): exactly the one asked for.
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
         "8123", "8124")
-    # Both ways, Ray's own bookkeeping reports less often (router/serve_cli.py, ray_background_env).
+    # Both ways, Ray's own bookkeeping reports less often (conveyor/router/serve_cli.py, ray_background_env).
     behind_proxy = serve_env(8123, http_proxy=True)
     assert not any(key.startswith(("RAY_SERVE_DIRECT_INGRESS", "RAY_SERVE_THROUGHPUT")) for key in behind_proxy)
     for settings in (env, behind_proxy):

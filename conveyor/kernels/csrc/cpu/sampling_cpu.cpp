@@ -1,7 +1,7 @@
 // Sampling one token per row of float32 logits on CPU: temperature, min_p, top-k, then top-p (on the top-k
 // renormalized distribution; a top_p of 0 keeps the top token), drawn by inverse CDF from one uniform per row that
 // the caller supplies, so a seeded request's stream stays its own generator's. A temperature that underflows
-// float32 is the argmax. The distribution is serving/sampler.py's torch path's; the order the draw walks is:
+// float32 is the argmax. The distribution is conveyor/serving/sampler.py's torch path's; the order the draw walks is:
 // top-k rows in descending probability (as torch), unfiltered and top-p-only rows in vocabulary order.
 //
 // Why a kernel: over a 49k vocabulary torch needs a top-k of 256 candidates (4.4 ms for 64 rows on 2 cores), a

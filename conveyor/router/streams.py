@@ -34,7 +34,7 @@ MUXED_TAIL_TIMEOUT_S = 10.0
 @dataclass
 class StartedStream:
     """A replica stream whose first record has arrived (so the request is admitted and has a token). When the
-    first record says so, the rest comes on the ingress's subscription to that replica (router/mux.py) and,
+    first record says so, the rest comes on the ingress's subscription to that replica (conveyor/router/mux.py) and,
     if the subscription goes away, on this stream again: both feed `queue`, and `seq` restores the order."""
 
     first: dict[str, Any]

@@ -4,9 +4,9 @@
 // of microseconds, and the Python between them (nn.Module calls, views, splits, the dispatcher's Python entry)
 // cost about as much as the kernels that do not read weights: ~9 of a 25 ms batch-1 step on a 2-core Zen 3.
 // Here the same kernels run in the same order on the same tensors, called through the dispatcher from C++, so
-// the hidden states are bit-identical to the module path (serving/models/llama.py) and only the glue is gone.
+// the hidden states are bit-identical to the module path (conveyor/serving/models/llama.py) and only the glue is gone.
 //
-// Scope (the caller checks it, serving/models/decode_stack.py): float32, every row a decode (one token per
+// Scope (the caller checks it, conveyor/serving/models/decode_stack.py): float32, every row a decode (one token per
 // sequence, rows in sequence order), every projection in GGUF blocks without a bias, rope rotate-half.
 // Per layer, in `weights` (14 tensors): input norm, post-attention norm, then for qkv, o, gate_up, down each the
 // GGUF rows of blocks and the interleaved (q, scales) of gguf_prepare. `ggml_types`: 4 per layer.
@@ -53,7 +53,7 @@ const Kernels& kernels() {
   return k;
 }
 
-// What kernels/gguf.py's gguf_linear does: GGUF's rows of blocks for the smallest steps, the interleaved layout
+// What conveyor/kernels/gguf.py's gguf_linear does: GGUF's rows of blocks for the smallest steps, the interleaved layout
 // for the rest (the same crossover, passed in).
 at::Tensor linear(const Kernels& k, const at::Tensor& x, const at::Tensor* w, int64_t type, int64_t max_rows_kernel) {
   const int64_t out_features = w[0].size(0);

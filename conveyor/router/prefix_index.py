@@ -1,6 +1,6 @@
 """Pure routing logic for the engine deployment: load scores, prefix affinity, ranking.
 
-Nothing here imports Ray, so the policy is unit-testable in milliseconds; `router/routing.py` is the thin
+Nothing here imports Ray, so the policy is unit-testable in milliseconds; `conveyor/router/routing.py` is the thin
 Ray Serve adapter that feeds it replica stats and request prefixes.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def make_request(prompt: str | list[int] | None, params: SamplingParams, request
                  unset: list[str] | None = None) -> dict[str, Any]:
     """The record the ingress sends: the first positional argument of `generate`.
 
-    `routing_prefix` is what the request router (router/routing.py) reads for prefix affinity. It only needs
+    `routing_prefix` is what the request router (conveyor/router/routing.py) reads for prefix affinity. It only needs
     to be a stable text for a shared prompt prefix: chat messages are rendered with a fixed pseudo-template
     (the ingress does not load the tokenizer), token-id prompts as their decimal ids.
     """
@@ -89,15 +89,15 @@ class EngineReplica:
         from conveyor.serving.priority import raised_priority
 
         # A replica that starts beside busy engines (scale-out, rolling update, a replaced replica) would get a
-        # sliver of the CPU at Ray's niceness: its start-up runs at the engine's (serving/priority.py).
+        # sliver of the CPU at Ray's niceness: its start-up runs at the engine's (conveyor/serving/priority.py).
         with raised_priority():
             self._start_engine(engine_config, torch_num_threads, engine_process)
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
         self._ttft = LatencyWindow(latency_window_s)
         self._itl = LatencyWindow(latency_window_s)
-        # Prometheus metrics (serving/metrics.py): fed on the engine thread after every step, served on
-        # this replica's own port and advertised for service discovery (router/metrics_registry.py).
+        # Prometheus metrics (conveyor/serving/metrics.py): fed on the engine thread after every step, served on
+        # this replica's own port and advertised for service discovery (conveyor/router/metrics_registry.py).
         from conveyor.router.metrics_registry import start_replica_endpoint
         from conveyor.serving.metrics import EngineMetrics
 

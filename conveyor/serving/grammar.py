@@ -7,7 +7,7 @@ schema never blocks the step; grammars validate without a tokenizer, so the HTTP
 with a 400 before anything reaches a replica; and it has no dependency on torch or transformers versions.
 
 No torch here: the scheduler calls into RequestGrammar (ready? accept a token, terminated?); the bitmask that
-the sampler applies lives in serving/grammar_bitmask.py.
+the sampler applies lives in conveyor/serving/grammar_bitmask.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Autoscaling on queue depth and tail latency: a Ray Serve custom policy for the engine deployment.
 
-Configured in the Serve YAML through ServeArgs (see router/app.py), which produces
+Configured in the Serve YAML through ServeArgs (see conveyor/router/app.py), which produces
 
     autoscaling_config:
       min_replicas: 1

@@ -4,7 +4,7 @@ Serve takes a replica out of the running set the moment it decides to stop it (a
 a failed health check, `serve delete`), then waits for that replica's ongoing requests for at most
 `graceful_shutdown_timeout_s` (our `drain_timeout_s`) before killing it. To Serve a request waiting in the
 engine's queue is as ongoing as one that streams, so without this it would hold the drain open and then be lost
-with the replica. The request router (router/routing.py) sees both events in this process: which replica a
+with the replica. The request router (conveyor/router/routing.py) sees both events in this process: which replica a
 request was routed to, and which replicas left. `start_stream` (router/streams.py) watches for the second while it
 waits for a request's first record; when it fires, it cancels the request there (the engine aborts it) and sends it
 again. A request whose first record has arrived is streaming and stays where it is: the drain lets it finish.

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C++ call (kernels/csrc/cpu/decode_stack_cpu.cpp).
+"""A decode step's decoder layers in one C++ call (conveyor/kernels/csrc/cpu/decode_stack_cpu.cpp).
 
 At batch 1-4 on a small CPU, the Python between a decode step's ~300 kernel calls (module calls, views, splits,
 the dispatcher's Python entry) costs about as much as the kernels that do not read weights. The C++ loop calls

@@ -57,7 +57,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutputsParams | None = None
     # Penalties as OpenAI (presence, frequency: over the output) and vLLM (repetition: over prompt and output)
-    # define them; serving/logits_processors.py applies them, greedy rows included.
+    # define them; conveyor/serving/logits_processors.py applies them, greedy rows included.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

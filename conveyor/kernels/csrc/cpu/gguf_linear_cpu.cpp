@@ -16,7 +16,7 @@
 // every activation row uses them with one FMA each. Nothing is reduced across lanes, each broadcast activation
 // feeds kGroups FMAs, and the expansion is shared by up to kRowTile rows. The row layout (gguf_rows_cpu.cpp)
 // needed a horizontal sum per row and feature and an expansion per row tile: it runs SmolLM2's linears at ~200
-// GFLOP/s from 8 rows up on Zen 5, this one at 300-400. It stays for 1-3 rows (kernels/gguf.py), where it is
+// GFLOP/s from 8 rows up on Zen 5, this one at 300-400. It stays for 1-3 rows (conveyor/kernels/gguf.py), where it is
 // ~15% faster.
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 """A GGUF's quantized linear weights kept in the file's own blocks, for small-batch CPU steps.
 
 The fp32 model a GGUF converts to is exactly the dequantized blocks. For a step of a few tokens the engine reads
-the blocks instead (kernels/gguf.py): the same weights in ~5 bits (Q4_1) or 8.5 (Q8_0) rather than 32, so a
+the blocks instead (conveyor/kernels/gguf.py): the same weights in ~5 bits (Q4_1) or 8.5 (Q8_0) rather than 32, so a
 batch-1 decode step, whose time is the bytes it reads, gets several times cheaper and computes the same thing up to
 summation order. Larger steps are compute-bound and keep the fp32 (oneDNN-packed) path.
 

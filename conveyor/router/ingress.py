@@ -48,7 +48,7 @@ class IngressSettings(BaseModel):
     replica_wait_timeout_s: float = 30.0
     ready_timeout_s: float = 2.0
     # Streamed records from each engine replica come in one message per engine step for all of this ingress's
-    # streams there (router/mux.py), not one message per token per stream.
+    # streams there (conveyor/router/mux.py), not one message per token per stream.
     stream_mux: bool = True
 
 

@@ -1,4 +1,4 @@
-"""The child side of ProcessEngine (serving/engine_process.py): build the engine, then step it and apply the
+"""The child side of ProcessEngine (conveyor/serving/engine_process.py): build the engine, then step it and apply the
 parent's commands until the pipe closes. Runs in a spawned process; nothing here is shared with the parent."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Turn replica records (one small dict per engine delta) into OpenAI completion / chat bodies and SSE chunks.
 
 A record is `{"text", "num_tokens", "prompt_tokens", ["finish_reason", "cached_tokens"], ["logprobs"]}`
-(see router/replica.py). One `ChoiceState` per choice accumulates what the non-streaming body needs.
+(see conveyor/router/replica.py). One `ChoiceState` per choice accumulates what the non-streaming body needs.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class CompletionFormat:
 
 class ChatFormat:
     """/v1/chat/completions: an assistant message per choice, chat-style logprobs. With tools (tool_mode other
-    than "none") the text goes through router/tool_calls.py: `message.tool_calls` and, streamed,
+    than "none") the text goes through conveyor/router/tool_calls.py: `message.tool_calls` and, streamed,
     `delta.tool_calls`; finish_reason "tool_calls" when the answer made calls."""
 
     def __init__(self, request_id: str, model: str, tool_mode: str = "none", tool_names: tuple[str, ...] = (),

@@ -1,7 +1,7 @@
 """The token bitmask of a step's constrained rows, applied to their logits before sampling.
 
 Only constrained rows are touched: the mask is filled for them alone (llguidance computes all of a step's
-masks in its own threads, without the GIL) and applied to their logits alone (kernels/token_bitmask.py), so an
+masks in its own threads, without the GIL) and applied to their logits alone (conveyor/kernels/token_bitmask.py), so an
 unconstrained neighbour's logits and tokens are exactly what they would be without structured outputs in the batch.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ class ServeArgs(BaseModel):
     served_model_name: str | None = None  # the id clients send as `model`; default: `model`
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # a raw Serve autoscaling_config, passed as is
-    # Conveyor's queue + tail-latency policy (router/autoscaling.py); replaces num_replicas.
+    # Conveyor's queue + tail-latency policy (conveyor/router/autoscaling.py); replaces num_replicas.
     autoscaling: AutoscalingArgs | None = None
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
@@ -77,12 +77,12 @@ class ServeArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     scheduling: Literal["continuous", "static"] = "continuous"
     itl_slo_ms: float | None = Field(None, gt=0)  # tail-latency mode: step budget sized to this ITL target
-    # SLO-aware scheduling (serving/step_budget.py): steps sized to the TPOT target; requests predicted to miss
+    # SLO-aware scheduling (conveyor/serving/step_budget.py): steps sized to the TPOT target; requests predicted to miss
     # the TTFT target refused with 429 under admission_policy "slo"
     tpot_slo_ms: float | None = Field(100.0, gt=0)
     ttft_slo_ms: float | None = Field(2000.0, gt=0)
     admission_policy: Literal["slo", "queue"] = "slo"
-    async_scheduling: bool = False  # schedule each step while the one before runs (serving/step_pipeline.py)
+    async_scheduling: bool = False  # schedule each step while the one before runs (conveyor/serving/step_pipeline.py)
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     device: str = "auto"
@@ -102,7 +102,7 @@ class ServeArgs(BaseModel):
     # routing
     request_router_class: str | None = DEFAULT_ROUTER  # None or "": Serve's default power-of-two router
     request_routing_stats_period_s: float = Field(0.5, gt=0)
-    # streaming: each replica sends one message per engine step for all of an ingress's streams (router/mux.py)
+    # streaming: each replica sends one message per engine step for all of an ingress's streams (conveyor/router/mux.py)
     stream_mux: bool = True
 
     @model_validator(mode="after")

@@ -117,7 +117,7 @@ def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
 
 class RMSNorm(nn.Module):
     """With a residual, adds it first and returns (normed, sum): the sum is the next layer's residual.
-    fused: one C++ call (kernels/cpu_fused.py) instead of ~8 aten ops, updating x and residual in place."""
+    fused: one C++ call (conveyor/kernels/cpu_fused.py) instead of ~8 aten ops, updating x and residual in place."""
 
     def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
@@ -171,7 +171,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fused: the activation is one C++ pass (kernels/cpu_fused.py), not silu then mul."""
+    """fused: the activation is one C++ pass (conveyor/kernels/cpu_fused.py), not silu then mul."""
 
     def __init__(self, config, fused: bool = False) -> None:
         super().__init__()

@@ -4,7 +4,7 @@ Greedy, temperature, top-k, top-p, min-p and logprobs over a batch of logits row
 with their own generator, one row at a time, so a seeded request's tokens do not depend on its batch
 neighbours or its row position; everything else is vectorized across rows.
 
-On CPU the sampled rows go to one C++ kernel (kernels/csrc/cpu/sampling_cpu.cpp) when it is built: the same
+On CPU the sampled rows go to one C++ kernel (conveyor/kernels/csrc/cpu/sampling_cpu.cpp) when it is built: the same
 distribution from the same one uniform per row, without torch's top-k, logsumexp and sort over the vocabulary
 (a 64-row step over SmolLM2's 49k vocabulary: 7-26 ms in torch). Elsewhere, and without the kernel, torch.
 

@@ -1,5 +1,5 @@
 // y = x @ W^T over GGUF's own rows of blocks (Q4_1 or Q8_0), x float32: the linear of the smallest steps (1-2
-// rows; see gguf_linear_cpu.cpp for more, and kernels/gguf.py for where the two split).
+// rows; see gguf_linear_cpu.cpp for more, and conveyor/kernels/gguf.py for where the two split).
 //
 // Why: at batch 1 a decode step reads every weight once and does 2 FLOP with it, so its time is the bytes read.
 // A Q4_1 weight is 5 bits instead of fp32's 32: the step reads ~5x fewer bytes. Each 32-weight block is expanded

@@ -4,7 +4,7 @@ Configured on the engine deployment with
 `RequestRouterConfig(request_router_class="conveyor.router.routing:LoadAwarePrefixRouter",
 request_routing_stats_period_s=0.5, request_router_kwargs={...RoutingPolicy fields...})`.
 It runs in every process that holds a handle to the engine (the ingress replicas). The policy itself lives in
-`router/prefix_index.py`; this class only translates Serve's objects and lifecycle hooks into it.
+`conveyor/router/prefix_index.py`; this class only translates Serve's objects and lifecycle hooks into it.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ ROUTING_PREFIX_KEY = "routing_prefix"
 
 
 def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:
-    """A string field of the ingress's request record (router/replica.make_request), or None (health probes
+    """A string field of the ingress's request record (conveyor/router/replica.make_request), or None (health probes
     and other callers do not send one)."""
     if pending_request is None:
         return None
@@ -97,7 +97,7 @@ class LoadAwarePrefixRouter(FIFOMixin, RequestRouter):
         # even if a fallback rank (not our first choice) took it.
         super().on_request_routed(pending_request, replica_id, result)
         if pending_request.metadata.call_method == "subscribe":
-            self._tracker.on_completed(replica_id)  # a subscription (router/mux.py) is no load: undo its send
+            self._tracker.on_completed(replica_id)  # a subscription (conveyor/router/mux.py) is no load: undo its send
             self._tracker.forget_send(replica_id)
             return
         prefix = routing_prefix(pending_request)

@@ -1,4 +1,4 @@
-"""Ingress side of stream multiplexing (router/mux.py): one subscription per engine replica, its batches handed
+"""Ingress side of stream multiplexing (conveyor/router/mux.py): one subscription per engine replica, its batches handed
 to the streams they belong to.
 
 A stream is registered under its attempt's route key before its request is sent, so a batch that overtakes the

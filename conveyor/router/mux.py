@@ -3,7 +3,7 @@
 Without it every streamed token is one message on its request's own Serve stream, replica to ingress: at
 saturation 64 streams cost 64 gRPC messages (and their pickling, wake-ups and Serve bookkeeping in both
 processes) per engine step. With it, each ingress keeps one long-lived `subscribe` call open to each replica it
-uses (router/demux.py), and the replica sends on it, per step, every record that waits for that ingress: one
+uses (conveyor/router/demux.py), and the replica sends on it, per step, every record that waits for that ingress: one
 message for all of them. A request's own stream still carries its first record (so admission, errors and
 hand-back work as before), stays open while the request runs (closing it aborts the request), and takes over
 again if the subscription goes away while the request runs. Records carry a sequence number per request, so
