@@ -94,3 +94,56 @@ def test_latency_targets_must_be_positive_and_finite(field, value):
 def test_unknown_admission_policy_is_refused():
     with pytest.raises(ValueError, match="admission_policy"):
         make_scheduler(admission_policy="drop")
+
+
+def _long_prompt_chunk(scheduler, runner, now: float) -> int:
+    scheduler.clock = lambda: now
+    scheduler.add_request(make_request("long", 1000, 2))
+    sched, _ = step(scheduler, runner)
+    return {c.request.request_id: c.num_tokens for c in sched.chunks}["long"]
+
+
+def _pace_streams(scheduler, first_token_time: float) -> None:
+    for r in scheduler.running:
+        r.first_token_time = first_token_time
+
+
+def test_streams_ahead_of_their_tpot_pace_let_a_step_carry_more_prefill():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=1.0)
+    # Each stream has ~30 tokens out: at a 100 ms target its pace allows t_first + 2.9 s for the next token;
+    # started 1 s ago it is 1.9 s ahead, so the step may take 100 ms + 1 x 100 ms (the cap): 10 + 0.5 (4 + n)
+    # <= 200 ms, n = 376.
+    _pace_streams(scheduler, first_token_time=99.0)
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 376) <= 2
+
+
+def test_a_stream_behind_its_pace_gives_no_credit():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=3.0)
+    _pace_streams(scheduler, first_token_time=99.0)
+    scheduler.running[0].first_token_time = 90.0  # 10 s for ~30 tokens: far behind a 100 ms pace
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+
+
+def test_credit_is_bounded_by_the_time_ahead_of_pace():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=3.0)
+    n = len(scheduler.running[0].output_token_ids)
+    # 50 ms ahead of pace: the step may take 150 ms, 10 + 0.5 (4 + n) <= 150 ms, n = 276.
+    _pace_streams(scheduler, first_token_time=100.0 - 0.1 * (n - 1) + 0.05)
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 276) <= 2
+
+
+def test_no_credit_when_switched_off():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=0.0)
+    _pace_streams(scheduler, first_token_time=99.0)
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+
+
+def test_a_short_backlog_is_charged_its_own_tokens_not_whole_steps():
+    scheduler, _ = _scheduler_with_known_cost(ttft_slo_ms=150.0)
+    # 200 tokens ahead of and including "next", ~176 a step: 2 steps of 10 ms + 4 decodes, plus 200 x 0.5 ms
+    # = 124 ms, under 150 ms. Charging two full 100 ms steps would refuse it.
+    for i in range(3):
+        scheduler.add_request(make_request(f"q{i}", 50, 8, first_token=100 + i))
+    scheduler.add_request(make_request("next", 50, 8, first_token=200))
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("over", 100, 8, first_token=300))  # 300 tokens: 2 steps, 174 ms

@@ -71,6 +71,9 @@ class SchedulerConfig:
     # Aim the step's prediction at this fraction of the SLO: it leaves room for the work between steps
     # (detokenizing, streaming) that the client sees in its inter-token gaps but the step timer does not.
     slo_headroom: float = 0.85
+    # TPOT is a mean over a request's output tokens: a step may run longer than the target by the time the
+    # slowest-paced running stream is ahead of its own pace, up to tpot_credit_max x the target (0: no credit).
+    tpot_credit_max: float = 3.0
     # Tail-latency mode never lets pending prefill stall: each step gives it at least this many tokens, even
     # when the decodes alone fill the target (a long prompt waiting forever is worse than a slightly slow step).
     # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
@@ -90,6 +93,8 @@ class SchedulerConfig:
         if self.admission_policy not in ADMISSION_POLICIES:
             raise ValueError(f"admission_policy must be one of {', '.join(ADMISSION_POLICIES)}; "
                              f"got {self.admission_policy!r}")
+        if not 0.0 <= self.tpot_credit_max < float("inf"):
+            raise ValueError(f"tpot_credit_max must be a finite number >= 0, got {self.tpot_credit_max}")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:

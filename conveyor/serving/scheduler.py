@@ -47,6 +47,8 @@ class Scheduler:
         # Async scheduling: a chunk counts as computed when it is scheduled, and a sampling chunk leaves a
         # placeholder until update() gets its token, so the next step can be scheduled before this one ends.
         self._ahead = config.async_scheduling
+        # Wall time for the latency targets; a simulator (benchmarks/slo_sim.py) swaps in its own clock.
+        self.clock = time.monotonic
 
     # ---- queue state -------------------------------------------------------------------------------
     @property
@@ -83,11 +85,12 @@ class Scheduler:
     def _check_ttft(self, request: Request) -> None:
         """Refuse a request whose first token is predicted later than the TTFT target: the prefill queued ahead
         of it and its own uncached prompt, at the pace the step budget grants prefill."""
-        ahead = self._num_waiting_tokens + sum(n for r in self.running if (n := r.num_tokens_to_schedule) > 1)
-        if ahead == 0:
+        ahead = [(r.num_computed_tokens, r.num_tokens) for r in self.running if r.num_tokens_to_schedule > 1]
+        ahead += [(0, r.num_tokens) for r in self.waiting]
+        if not ahead:
             return  # nothing to wait for: a prompt too long for the target alone would miss it at any time
-        backlog = ahead + request.num_tokens - self.kv_cache.peek_num_cached_tokens(request)
-        ttft_s = self.budget.predicted_ttft_s(self.running, backlog)
+        ahead.append((self.kv_cache.peek_num_cached_tokens(request), request.num_tokens))
+        ttft_s = self.budget.predicted_ttft_s(self.running, ahead)
         limit_s = self.budget.ttft_limit_s()
         if ttft_s is not None and ttft_s > limit_s:
             self.num_refused_ttft += 1
@@ -157,7 +160,7 @@ class Scheduler:
 
     def token_budget(self) -> int:
         """This step's token budget (step_budget.py: fixed, or sized to the ITL target)."""
-        return self.budget.tokens(self.running, self.waiting)
+        return self.budget.tokens(self.running, self.waiting, self.clock())
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
@@ -251,7 +254,7 @@ class Scheduler:
             self._pop_waiting()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = self.clock()
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self.running.append(request)

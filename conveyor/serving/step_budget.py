@@ -38,7 +38,7 @@ class StepBudget:
     def sheds_by_ttft(self) -> bool:
         return self.config.ttft_slo_ms is not None and self.config.admission_policy == "slo"
 
-    def tokens(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
+    def tokens(self, running: Sequence[Request], waiting: Sequence[Request], now: float | None = None) -> int:
         """This step's token budget. Running decodes always fit (starving a stream would hurt its latency more),
         and pending prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill
         the target."""
@@ -54,28 +54,44 @@ class StepBudget:
             prefills = [waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
         fits = self._fits(len(decodes), len(running) + (1 if waiting else 0), sum(r.num_tokens for r in decodes),
-                          prefills[0].num_computed_tokens if prefills else 0)
+                          prefills[0].num_computed_tokens if prefills else 0, self._tpot_credit_s(decodes, now))
         return min(limit, max(fits, floor, 1))
 
-    def _fits(self, num_decodes: int, num_seqs: int, decode_kv_reads: int, prefill_context: int) -> int:
+    def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None) -> float:
+        """How far this step may exceed the TPOT target: TPOT is a mean over a request's tokens, so a stream
+        ahead of its pace (t_first + target x tokens so far) can take a longer step and stay within it. The
+        stream with the least credit sets it; a stream behind its pace gives none (never negative)."""
+        if now is None or not self.config.tpot_credit_max or self.config.tpot_slo_ms is None or not decodes:
+            return 0.0
+        target_s = self.config.tpot_slo_ms / 1000 * self.config.slo_headroom
+        credit = math.inf
+        for r in decodes:
+            if r.first_token_time is None:
+                return 0.0
+            # The next token is output number n + 1: TPOT after it is (t_next - t_first) / n.
+            credit = min(credit, r.first_token_time + target_s * len(r.output_token_ids) - now - target_s)
+        return min(max(credit, 0.0), target_s * self.config.tpot_credit_max)
+
+    def _fits(self, num_decodes: int, num_seqs: int, decode_kv_reads: int, prefill_context: int,
+              tpot_credit_s: float = 0.0) -> int:
         """The most tokens (decodes included) that the targets let a step carry."""
         fits = self.config.max_num_batched_tokens
         if num_decodes == 0 and self.config.itl_slo_ms is None:
             return fits
-        for target_s, tail in self._targets():
+        for target_s, tail in self._targets(tpot_credit_s):
             fits = min(fits, self.step_cost.max_tokens_within(
                 target_s, num_seqs, num_decodes=num_decodes, decode_kv_reads=decode_kv_reads,
                 prefill_context=prefill_context, tail=tail))
         return fits
 
-    def _targets(self) -> list[tuple[float, bool]]:
+    def _targets(self, tpot_credit_s: float = 0.0) -> list[tuple[float, bool]]:
         """(step time target in seconds, plan against the tail prediction) for each target that is set."""
         c = self.config
         targets = []
         if c.itl_slo_ms is not None:
             targets.append((c.itl_slo_ms / 1000 * c.slo_headroom, True))
         if c.tpot_slo_ms is not None:
-            targets.append((c.tpot_slo_ms / 1000 * c.slo_headroom, False))
+            targets.append((c.tpot_slo_ms / 1000 * c.slo_headroom + tpot_credit_s, False))
         return targets
 
     def batch_has_room(self, running: Sequence[Request], waiting: Sequence[Request]) -> bool:
@@ -89,10 +105,12 @@ class StepBudget:
         return all((self.step_cost.predict_tail if tail else self.step_cost.predict)(num_seqs, num_seqs, kv_reads)
                    <= target_s for target_s, tail in self._targets())
 
-    def predicted_ttft_s(self, running: Sequence[Request], num_backlog_tokens: int) -> float | None:
-        """How long until num_backlog_tokens of prefill (the queue ahead of a new request, plus its own prompt)
-        are computed, at the pace this budget grants prefill with today's decodes; None until the step-cost
-        model has a fit."""
+    def predicted_ttft_s(self, running: Sequence[Request], backlog: Sequence[tuple[int, int]]) -> float | None:
+        """How long until the backlog's prefill (the (start, end) token ranges queued ahead of a new request, then
+        its own uncached prompt) is computed, at the pace this budget grants prefill beside today's decodes; None
+        until the step-cost model has a fit. The cost model is linear, so the sum over the steps is exact for it:
+        each step's fixed and decode costs, plus every backlog token and the KV rows its prompt's causal prefix
+        reads, whatever the chunking."""
         if not self.step_cost.ready:
             return None
         num_decodes = sum(1 for r in running if r.num_tokens_to_schedule <= 1)
@@ -101,11 +119,11 @@ class StepBudget:
         step_tokens = min(self.config.max_num_batched_tokens,
                           max(self._fits(num_decodes, num_seqs, decode_kv_reads, 0),
                               num_decodes + self.config.min_prefill_tokens))
-        prefill_per_step = step_tokens - num_decodes
-        # Each chunk of a prompt reads the chunks before it: charge the average context of a prompt this long.
-        num_steps = math.ceil(num_backlog_tokens / prefill_per_step)
-        step_s = self.step_cost.predict(step_tokens, num_seqs, decode_kv_reads + prefill_per_step * step_tokens // 2)
-        return num_steps * step_s
+        num_tokens = sum(end - start for start, end in backlog)
+        num_steps = math.ceil(num_tokens / max(step_tokens - num_decodes, 1))
+        prefill_kv_reads = sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in backlog)
+        return self.step_cost.predict_sum(num_steps, num_steps * num_decodes + num_tokens, num_steps * num_seqs,
+                                          num_steps * decode_kv_reads + prefill_kv_reads)
 
     def ttft_limit_s(self) -> float:
         return self.config.ttft_slo_ms / 1000 * self.config.slo_headroom

@@ -1,0 +1,178 @@
+"""Simulate the scheduler's SLO policies on a measured step-cost table, to compare policies in seconds.
+
+The real Scheduler, KV cache manager, step budget and step-cost fit run on a simulated clock; each step's time is
+read from a table of step times measured on one CPU (LLMEngine on SmolLM2: B decodes plus prefill chunks of C
+tokens, STEP_MS below), so a policy change shows its effect on TTFT, TPOT, refusals and goodput without an hour of
+served runs on a quiet machine. It leaves out what the table does not hold (attention over long contexts, host
+jitter, the ingress); the served sweep (benchmarks/goodput.py) is the measurement that counts.
+
+    .venv/bin/python -m benchmarks.slo_sim                                   # the issue-38 workload, 3 policies
+    .venv/bin/python -m benchmarks.slo_sim --rates 1,2 --config fixed=tpot_slo_ms=none,ttft_slo_ms=none
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from conveyor.bench.workload import arrival_offsets, derive_seed, lognormal_lengths
+from conveyor.serving.config import SchedulerConfig
+from conveyor.serving.kv_cache_manager import KVCacheManager
+from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.serving.request import Request, SamplingParams
+from conveyor.serving.scheduler import QueueFullError, Scheduler
+
+# Step time in ms: rows B decodes, columns C prefill tokens (one chunk at the prompt's start). Intel Xeon
+# (AVX-512, 2 vCPU), SmolLM2-135M GGUF rows up to 64, 2026-12-03 (RESULTS.md, "Step cost"). Beyond the last knot
+# the last segment's slope continues.
+DECODE_KNOTS = (1, 16, 32, 56)
+PREFILL_KNOTS = (0, 8, 16, 48, 64, 65, 96, 128, 256)
+STEP_MS = (
+    (16, 31, 47, 94, 137, 133, 166, 201, 345),
+    (47, 71, 86, 145, 171, 174, 221, 267, 426),
+    (88, 124, 151, 203, 214, 217, 265, 311, 446),
+    (166, 205, 231, 301, 306, 290, 331, 379, 529),
+)
+BASE_CONFIG = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_waiting_requests": 256}
+DEFAULT_CONFIGS = ("slo=", "queue=admission_policy=queue", "fixed=tpot_slo_ms=none,ttft_slo_ms=none")
+
+
+def _interp(knots: tuple[int, ...], values: list[float], x: float) -> float:
+    i = min(max(bisect.bisect_right(knots, x) - 1, 0), len(knots) - 2)
+    x0, x1 = knots[i], knots[i + 1]
+    return values[i] + (values[i + 1] - values[i]) * (x - x0) / (x1 - x0)
+
+
+def step_seconds(num_decodes: int, num_prefill: int) -> float:
+    """The table's step time, interpolated in C for every row of B, then in B."""
+    by_decodes = [_interp(PREFILL_KNOTS, list(row), num_prefill) for row in STEP_MS]
+    return _interp(DECODE_KNOTS, by_decodes, max(num_decodes, 1)) / 1000
+
+
+@dataclass
+class Outcome:
+    arrival: float
+    num_output: int
+    refused: bool = False
+    token_times: list[float] = field(default_factory=list)
+
+    def meets(self, ttft_s: float, tpot_s: float) -> bool:
+        if self.refused or not self.token_times:
+            return False
+        ttft = self.token_times[0] - self.arrival
+        tpot = ((self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+                if len(self.token_times) > 1 else 0.0)
+        return ttft <= ttft_s and tpot <= tpot_s
+
+
+def simulate(config: SchedulerConfig, lengths: list[tuple[int, int]], offsets: list[float],
+             seed: int = 0) -> list[Outcome]:
+    kv = KVCacheManager(num_blocks=8192, block_size=16, enable_prefix_caching=True)
+    scheduler = Scheduler(config, kv, max_model_len=8192)
+    now = [0.0]
+    scheduler.clock = lambda: now[0]
+    rng = random.Random(seed)
+    outcomes = [Outcome(t, o) for t, (_, o) in zip(offsets, lengths, strict=True)]
+    by_id: dict[str, Outcome] = {}
+    pending = deque(enumerate(zip(offsets, lengths, strict=True)))
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][1][0] <= now[0]:
+            i, (arrival, (prompt_len, output_len)) = pending.popleft()
+            prompt = [rng.randrange(1000, 49000) for _ in range(prompt_len)]
+            request = Request(str(i), prompt, SamplingParams(max_tokens=output_len, ignore_eos=True),
+                              eos_token_id=None, max_tokens=output_len, arrival_time=arrival)
+            try:
+                scheduler.add_request(request)
+                by_id[request.request_id] = outcomes[i]
+            except QueueFullError:
+                outcomes[i].refused = True
+        if not scheduler.has_unfinished():
+            now[0] = pending[0][1][0]
+            continue
+        _run_step(scheduler, scheduler.schedule(), now, by_id)
+    return outcomes
+
+
+def _run_step(scheduler: Scheduler, sched: SchedulerOutput, now: list[float], by_id: dict[str, Outcome]) -> None:
+    num_decodes = sum(1 for c in sched.chunks if c.num_tokens == 1)
+    seconds = step_seconds(num_decodes, sched.num_scheduled_tokens - num_decodes) if sched.chunks else 1e-3
+    now[0] += seconds
+    scheduler.observe_step(sched, seconds)
+    sampled = {c.request.request_id: 1 + c.end % 97 for c in sched.chunks if c.samples}
+    for request in scheduler.update(sched, ModelRunnerOutput(sampled)):
+        if request.first_token_time is None:
+            request.first_token_time = now[0]
+        by_id[request.request_id].token_times.append(now[0])
+
+
+def parse_config(text: str) -> tuple[str, dict[str, object]]:
+    """NAME=key=value,key=value (values: numbers, none, words)."""
+    name, _, rest = text.partition("=")
+    overrides: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = _value(value)
+    return name, overrides
+
+
+def _value(text: str) -> object:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(name: str, rate: float, outcomes: list[Outcome], warmup_s: float, ttft_s: float, tpot_s: float) -> str:
+    counted = [o for o in outcomes if o.arrival >= warmup_s]
+    admitted = [o for o in counted if not o.refused]
+    met = sum(o.meets(ttft_s, tpot_s) for o in counted)
+    ttfts = [o.token_times[0] - o.arrival for o in admitted]
+    tpots = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in admitted
+             if len(o.token_times) > 1]
+    return (f"| {name} | {rate:g} | {met / len(counted):.0%} | {met / max(len(admitted), 1):.0%} "
+            f"| {len(counted) - len(admitted)} | {rate * met / len(counted):.2f} "
+            f"| {_percentile(ttfts, .5):.2f} / {_percentile(ttfts, .9):.2f} / {_percentile(ttfts, .99):.2f} "
+            f"| {1000 * _percentile(tpots, .5):.0f} / {1000 * _percentile(tpots, .9):.0f} / "
+            f"{1000 * _percentile(tpots, .99):.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="1,1.5,2,2.5,3", help="offered req/s, comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=600, help="per rate point (warm-up included)")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="arrivals before this are left out")
+    parser.add_argument("--config", action="append", default=None,
+                        help="NAME=key=value,... over SchedulerConfig (repeatable); default: slo, queue, fixed")
+    parser.add_argument("--ttft-s", type=float, default=2.0)
+    parser.add_argument("--tpot-ms", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    print("| config | rate | attainment | of admitted | refused | goodput | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rate in (float(r) for r in args.rates.split(",")):
+        lengths = lognormal_lengths(args.num_prompts, derive_seed(args.seed, rate, "lengths"))
+        offsets = arrival_offsets(args.num_prompts, rate, seed=derive_seed(args.seed, rate, "arrivals"))
+        for name, overrides in configs:
+            config = SchedulerConfig(**(BASE_CONFIG | overrides))
+            outcomes = simulate(config, lengths, offsets, args.seed)
+            print(report(name, rate, outcomes, args.warmup_s, args.ttft_s, args.tpot_ms / 1000), flush=True)
+
+
+if __name__ == "__main__":
+    main()
