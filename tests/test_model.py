@@ -31,6 +31,7 @@ VARIANTS = {
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16))),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
 }
 
 
@@ -195,7 +196,7 @@ def test_rejects_bad_inputs(tiny, tmp_path):
     with pytest.raises(ValueError, match="unknown model"):
         resolve_model_path("no/such-model")
     with pytest.raises(ValueError, match="unexpected weight"):
-        ours.load_weights([("model.layers.0.self_attn.q_norm.weight", torch.zeros(16))])
+        ours.load_weights([("model.layers.0.self_attn.z_proj.weight", torch.zeros(16))])
     with pytest.raises(ValueError, match="shape"):
         ours.load_weights([("model.norm.weight", torch.zeros(3))])
     other = tmp_path / "other"

@@ -32,25 +32,38 @@ def build_tokenizer(vocab_size: int = 384):
 def build_tiny_llama(path: Path, *, qkv_bias: bool = False, seed: int = 0, **config_overrides) -> Path:
     """Save a random Llama (or Qwen2 when qkv_bias) with a matching tokenizer into path; return path.
     config_overrides replace config fields (num_hidden_layers=1, hidden_size=..., for benchmarks)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    return build_tiny_model(path, "qwen2" if qkv_bias else "llama", seed=seed, **config_overrides)
 
+
+# family -> (transformers config class, model class, config fields of its own)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "use_sliding_window": False}),
+}
+
+
+def build_tiny_model(path: Path, family: str, *, seed: int = 0, **config_overrides) -> Path:
+    """Save a random model of `family` (FAMILIES), built by transformers' own classes, with a matching tokenizer
+    into path; return path."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, own = FAMILIES[family]
     tokenizer = build_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  tie_word_embeddings=qkv_bias)
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **own)
     common.update(config_overrides)
     torch.manual_seed(seed)
-    if qkv_bias:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common))
     # Spread the logits so greedy decoding has clear winners instead of near-ties between code paths.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif "q_norm" in name or "k_norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape))  # ones would hide a norm applied to the wrong axis
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

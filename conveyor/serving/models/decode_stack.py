@@ -25,6 +25,8 @@ def unavailable_reason(model: nn.Module) -> str | None:
         return "the CPU extension did not build"
     if not model.model.fused:  # true exactly where the attention backend is "cpu" and the extension loaded
         return "the model does not use the CPU kernels (attention backend is not 'cpu')"
+    if model.model.layers[0].self_attn.has_qk_norm:
+        return "the C++ decode loop has no query/key head norms (Qwen3)"
     for layer in model.model.layers:
         for part, name in _PROJECTIONS:
             linear = getattr(getattr(layer, part), name)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2) in plain torch on paged attention.
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch on paged attention.
 
 Tokens arrive packed: one flat [T] batch holding prefill chunks and decodes of many sequences together; the
 attention layer finds each sequence's rows and cached context through AttentionMetadata. Everything except
@@ -20,6 +20,7 @@ from conveyor.serving.attention import AttentionMetadata, PagedAttention
 from conveyor.serving.models.cpu_packing import PackedLinear, pack_linears
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+QK_NORM_MODEL_TYPES = ("qwen3",)
 
 
 def _head_dim(config) -> int:
@@ -155,10 +156,17 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias and config.model_type != "qwen2")
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend=backend)
+        # Qwen3 normalizes every query and key head (RMSNorm over head_dim) before the rotary embedding.
+        self.has_qk_norm = config.model_type in QK_NORM_MODEL_TYPES
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         qkv = self.qkv_proj(x)
+        if self.has_qk_norm:
+            qkv = self._norm_heads(qkv)
         if self.fused:
             # q and k heads are adjacent in each qkv row: one in-place call rotates both.
             cpu_fused.rotary_embedding_neox(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -168,6 +176,14 @@ class Attention(nn.Module):
             k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope).reshape(-1, self.kv_size)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out)
+
+    def _norm_heads(self, qkv: Tensor) -> Tensor:
+        """qkv with each query and key head RMS-normalized, in the same [T, q + k + v] layout (so the fused rope
+        still rotates q and k in one call)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class MLP(nn.Module):

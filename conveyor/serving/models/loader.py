@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["cache_dir", "pull_model", "resolve_model_path", "load_model", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
