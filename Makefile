@@ -22,4 +22,4 @@ lint: setup
 	.venv/bin/ruff check .
 
 bench: setup
-	.venv/bin/python benchmarks/offline.py
+	.venv/bin/python -m benchmarks.offline

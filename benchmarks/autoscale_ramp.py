@@ -1,6 +1,6 @@
 """Load ramp against a Conveyor deployment: autoscaling versus a fixed single replica.
 
-    python benchmarks/autoscale_ramp.py --model <dir or smollm2> [--served-name m] [--out benchmarks/out]
+    python -m benchmarks.autoscale_ramp --model <dir or smollm2> [--served-name m] [--out benchmarks/out]
 
 Starts a local Ray + Serve, deploys the model twice in turn (fixed: 1 replica; autoscaling: 1..N replicas
 with conveyor's queue + latency policy), and runs the same ramp against each: light load, a step to heavy

@@ -8,8 +8,8 @@ own venv (`--vllm-python`, default .vllm-venv/bin/python, made by `bash benchmar
 minutes); and the plain transformers server ("hf": benchmarks/hf_server.py, one request at a time).
 Only one target is loaded at a time; idle ones sleep.
 
-    .venv/bin/python benchmarks/compare.py --targets slo,continuous,static,vllm   # ~30 minutes on 2 cores
-    .venv/bin/python benchmarks/compare.py --request-rates 0.5,1 --num-prompts 20 --targets continuous,hf
+    .venv/bin/python -m benchmarks.compare --targets slo,continuous,static,vllm   # ~30 minutes on 2 cores
+    .venv/bin/python -m benchmarks.compare --request-rates 0.5,1 --num-prompts 20 --targets continuous,hf
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 from conveyor.bench.runner import (  # noqa: E402
     add_workload_args,

@@ -4,8 +4,8 @@ Both engines live in this process and take turns, batch size by batch size, so t
 decode step's time is (time of N + 4 output tokens - time of 4) / N, with 256-token prompts, so the prefill
 cancels out. It first checks that greedy tokens are the same.
 
-    .venv/bin/python benchmarks/decode_stack_ab.py                       # batch 1, 2, 4, 8, 16, 64; ~4 min
-    .venv/bin/python benchmarks/decode_stack_ab.py --batch-sizes 1,4 --rounds 3
+    .venv/bin/python -m benchmarks.decode_stack_ab                       # batch 1, 2, 4, 8, 16, 64; ~4 min
+    .venv/bin/python -m benchmarks.decode_stack_ab --batch-sizes 1,4 --rounds 3
 """
 from __future__ import annotations
 

@@ -10,9 +10,8 @@
 5. with --engine (run before 4, which fills the time left): SmolLM2-shaped engine throughput (random bf16
    weights, 64 prompts x 128 in x 128 out, greedy) with CUDA graphs on and off, and with graphs and async
    scheduling on (conveyor/serving/step_pipeline.py: step N+1 scheduled while step N runs).
-Writes everything to $OUT/gpu_check.json when OUT is set. Needs no internet and no install: the repository
-root
-is mapped onto the `conveyor` package below.
+Writes everything to $OUT/gpu_check.json when OUT is set. Needs no internet and no install: run as a module from
+the repository root (`python3 -m benchmarks.gpu_check`, as gpu_check.sh does), Python finds `conveyor` there.
 """
 from __future__ import annotations
 
@@ -27,11 +26,6 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEADLINE_S = float(os.environ.get("GPU_CHECK_DEADLINE_S", "270"))
 T0 = time.monotonic()
-
-
-def _map_package() -> None:
-    """Make `conveyor.kernels` and `conveyor.serving` importable without `pip install`."""
-    sys.path.insert(0, str(ROOT))
 
 
 def _time_left() -> float:
@@ -293,7 +287,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer decode configs")
     parser.add_argument("--skip-tests", action="store_true")
     args = parser.parse_args()
-    _map_package()
     import torch
 
     report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda}

@@ -8,4 +8,4 @@ export CONVEYOR_CUDA_BUILD_DIR="${CONVEYOR_CUDA_BUILD_DIR:-/tmp/conveyor_cuda_bu
 export MAX_JOBS="${MAX_JOBS:-16}"
 unset TRITON_INTERPRET  # compiled triton on the GPU, never the interpreter
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv || true
-exec timeout 290 python3 benchmarks/gpu_check.py "$@"
+exec timeout 290 python3 -m benchmarks.gpu_check "$@"  # a module: the root is on sys.path

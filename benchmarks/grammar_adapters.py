@@ -14,8 +14,12 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-import xgrammar as xgr
 from llguidance import LLExecutor, LLMatcher
+
+try:  # not a dependency of Conveyor: only the comparison needs it, so the rest of this module works without it
+    import xgrammar as xgr
+except ModuleNotFoundError:
+    xgr = None
 
 VOCAB = 49152  # SmolLM2's
 WORDS = VOCAB // 32  # int32 words of one bitmask row
@@ -41,6 +45,8 @@ class XGrammar:
     name = "xgrammar"
 
     def __init__(self, tok: Any) -> None:
+        if xgr is None:
+            raise SystemExit("xgrammar is not installed: .venv/bin/pip install xgrammar==0.2.9")
         self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB)
         self.batcher = xgr.BatchGrammarMatcher(max_threads=THREADS)
 

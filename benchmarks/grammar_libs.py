@@ -17,14 +17,14 @@ The two libraries sit behind one interface in grammar_adapters.py; the refusal a
 grammar_probes.py.
 
     .venv/bin/pip install xgrammar==0.2.9              # not a dependency of Conveyor: only this comparison needs it
-    .venv/bin/python benchmarks/grammar_libs.py        # table on stdout, JSON to benchmarks/out/grammar_libs.json
+    .venv/bin/python -m benchmarks.grammar_libs        # table on stdout, JSON to benchmarks/out/grammar_libs.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +35,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.* and tests.structured_cases
-
-from benchmarks.grammar_adapters import (  # noqa: E402
+from benchmarks.grammar_adapters import (
     THREADS,
     VOCAB,
     WORDS,
@@ -50,8 +48,8 @@ from benchmarks.grammar_adapters import (  # noqa: E402
     timed_compile,
     walk,
 )
-from benchmarks.grammar_probes import bad_inputs, ingress_validation, other_formats, probes  # noqa: E402
-from tests.structured_cases import SCHEMA_CASES, SchemaCase, check_valid_instances  # noqa: E402
+from benchmarks.grammar_probes import bad_inputs, ingress_validation, other_formats, probes
+from tests.structured_cases import SCHEMA_CASES, SchemaCase, check_valid_instances
 
 MODEL = Path("~/.cache/conveyor/models/SmolLM2-135M-Instruct").expanduser()
 # benchmarks/out/ is git-ignored; $CONVEYOR_ARTIFACTS, when set, takes the results instead
@@ -233,6 +231,8 @@ def print_report(res: dict[str, Any], libs: list[Lib]) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m benchmarks.grammar_libs", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     problems = check_valid_instances()
     if problems:
         raise SystemExit(f"structured_cases: {problems}")

@@ -4,7 +4,7 @@ Each request runs `model.generate` (greedy) on a worker thread with a per-token 
 arrive meanwhile wait on a lock, FIFO. No batching at all: this is what serving with `generate` looks like
 without a scheduler. Loopback only.
 
-    .venv/bin/python benchmarks/hf_server.py --model smollm2 --port 8100
+    .venv/bin/python -m benchmarks.hf_server --model smollm2 --port 8100
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ bound to the cores; compare.vllm_env). Greedy, ignore_eos, long-tailed lengths (
 it prints the achieved FLOP/s on the work of every processed token (linear layers, LM head for sampled tokens,
 attention) against an fp32 GEMM timed in the same run, the issue-13 efficiency figure.
 
-    .venv/bin/python benchmarks/inproc_peer.py                               # max batch 1 and 64, ~10 min
-    .venv/bin/python benchmarks/inproc_peer.py --max-num-seqs 64 --systems conveyor --json out.json
-    .venv/bin/python benchmarks/inproc_peer.py --systems conveyor,conveyor-async    # async scheduling A/B
-    .venv/bin/python benchmarks/inproc_peer.py --systems conveyor,conveyor-python   # the C++ decode stack A/B
+    .venv/bin/python -m benchmarks.inproc_peer                               # max batch 1 and 64, ~10 min
+    .venv/bin/python -m benchmarks.inproc_peer --max-num-seqs 64 --systems conveyor --json out.json
+    .venv/bin/python -m benchmarks.inproc_peer --systems conveyor,conveyor-async    # async scheduling A/B
+    .venv/bin/python -m benchmarks.inproc_peer --systems conveyor,conveyor-python   # the C++ decode stack A/B
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ DEFAULT_VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
 def make_workload(spec: str, num_requests: int, seed: int) -> list:
     """"long-tail" (workload.py), or "fixed:IN:OUT": every request IN prompt tokens and OUT output tokens, so a
     batch of num_requests stays full from start to end (the engine's steady state)."""
-    sys.path.insert(0, str(HERE))
     import random
 
-    from workload import WorkItem, long_tail_workload
+    from benchmarks.workload import WorkItem, long_tail_workload
 
     if spec == "long-tail":
         return long_tail_workload(num_requests, seed=seed)
@@ -99,13 +98,12 @@ def work_flops(config: dict, prompt_lens: list[int], output_lens: list[int]) -> 
 
 
 def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_seqs: int, num_requests: int) -> dict:
-    cmd = [args.vllm_python if system == "vllm" else sys.executable, str(Path(__file__).resolve()),
+    cmd = [args.vllm_python if system == "vllm" else sys.executable, "-m", "benchmarks.inproc_peer",
            "--worker", system, "--model-dir", model_dir, "--max-num-seqs", str(max_num_seqs),
            "--num-requests", str(num_requests), "--seed", str(args.seed), "--workload", args.workload,
            "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
     env = os.environ.copy()
     if system == "vllm":
-        sys.path.insert(0, str(ROOT))
         from benchmarks.compare import vllm_env
 
         env = vllm_env(args.vllm_python, os.cpu_count() or 1)
@@ -113,8 +111,9 @@ def run_worker(system: str, args: argparse.Namespace, model_dir: str, max_num_se
 
 
 def run_result_process(cmd: list[str], env: dict[str, str], timeout_s: float, label: str) -> dict:
-    """Run a measuring process (one system, in its own venv) and return the JSON of its last "RESULT " line."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    """Run a measuring process (one system, in its own venv) and return the JSON of its last "RESULT " line.
+    It runs in the repository root, so `python -m benchmarks.X` finds the benchmarks package."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
@@ -151,7 +150,6 @@ def main() -> None:
                         args.workload, args.dtype, args.kv_cache_dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from benchmarks.roofline import linear_flops, matmul_flops, model_linear_shapes

@@ -7,7 +7,7 @@ tokens), and the share of positions that hold the same token.
 A greedy answer diverges for good once one near-tie flips, so the prefix share is the
 conservative figure; bfloat16 gives the yardstick of a cache whose rounding nobody notices.
 
-    .venv/bin/python benchmarks/kv_cache_quality.py [--dtypes bfloat16,fp8_e4m3,fp8_e5m2] [--max-tokens 128]
+    .venv/bin/python -m benchmarks.kv_cache_quality [--dtypes bfloat16,fp8_e4m3,fp8_e5m2] [--max-tokens 128]
 """
 from __future__ import annotations
 

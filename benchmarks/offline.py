@@ -1,23 +1,20 @@
 """Offline throughput: continuous vs static batching (same engine) vs transformers generate, one run.
 
-    .venv/bin/python benchmarks/offline.py                 # 128 requests, SmolLM2, max batch 16
-    .venv/bin/python benchmarks/offline.py --num-requests 32 --systems continuous,static
+    .venv/bin/python -m benchmarks.offline                 # 128 requests, SmolLM2, max batch 16
+    .venv/bin/python -m benchmarks.offline --num-requests 32 --systems continuous,static
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import copy_bandwidth, decode_step_floor, linear_flops, matmul_flops, model_linear_shapes  # noqa: E402
-from workload import WorkItem, long_tail_workload  # noqa: E402
-
-from conveyor.serving import LLM, SamplingParams  # noqa: E402
+from benchmarks.roofline import copy_bandwidth, decode_step_floor, linear_flops, matmul_flops, model_linear_shapes
+from benchmarks.workload import WorkItem, long_tail_workload
+from conveyor.serving import LLM, SamplingParams
 
 
 def run_engine(llm: LLM, items: list[WorkItem]) -> dict:

@@ -7,10 +7,10 @@ prompts of the saturation run through `LLM.generate` in this process. One target
 rate draws its own prompts (seed + rate index) so no prefix cache carries one rate's prompts to the next. Per
 process CPU seconds are read from /proc for every run (benchmarks/proc_cpu.py).
 
-    .venv/bin/python benchmarks/peer_serve.py                                   # ~15 min on 2 cores
-    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,inproc --rates inf
-    .venv/bin/python benchmarks/peer_serve.py --targets conveyor,vllm,inproc,vllm_inproc --rates inf --rounds 4
-    .venv/bin/python benchmarks/peer_serve.py --targets conveyor --conveyor-env RAY_SERVE_THROUGHPUT_OPTIMIZED=0
+    .venv/bin/python -m benchmarks.peer_serve                                   # ~15 min on 2 cores
+    .venv/bin/python -m benchmarks.peer_serve --targets conveyor,inproc --rates inf
+    .venv/bin/python -m benchmarks.peer_serve --targets conveyor,vllm,inproc,vllm_inproc --rates inf --rounds 4
+    .venv/bin/python -m benchmarks.peer_serve --targets conveyor --conveyor-env RAY_SERVE_THROUGHPUT_OPTIMIZED=0
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import resource
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ import httpx
 from conveyor.serving.config import KV_CACHE_DTYPES  # dataclasses only: neither torch nor ray
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
 from benchmarks.inproc_peer import run_result_process  # noqa: E402
 from benchmarks.proc_cpu import (  # noqa: E402

@@ -7,8 +7,8 @@ step-cost model). Besides the pooled ITL distribution it reports the median of t
 prompt was being prefilled (the streams' undisturbed pace) and the duty cycle of long-prompt prefill, so a
 ratio cannot look good merely because prefill steps became the median.
 
-    .venv/bin/python benchmarks/prefill_spike.py                  # ~5 minutes on 2 quiet CPU cores
-    .venv/bin/python benchmarks/prefill_spike.py --long-len 3072 --duration-s 40
+    .venv/bin/python -m benchmarks.prefill_spike                  # ~5 minutes on 2 quiet CPU cores
+    .venv/bin/python -m benchmarks.prefill_spike --long-len 3072 --duration-s 40
 """
 from __future__ import annotations
 
@@ -16,15 +16,13 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conveyor.bench.inproc import make_engine, stream_one  # noqa: E402
-from conveyor.bench.metrics import RequestResult, distribution  # noqa: E402
-from conveyor.bench.plots import plot_itl_timeline  # noqa: E402
-from conveyor.bench.workload import build_requests  # noqa: E402
+from conveyor.bench.inproc import make_engine, stream_one
+from conveyor.bench.metrics import RequestResult, distribution
+from conveyor.bench.plots import plot_itl_timeline
+from conveyor.bench.workload import build_requests
 
 RESULTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out")  # git-ignored
 

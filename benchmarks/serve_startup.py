@@ -1,6 +1,6 @@
 """Time from launching `conveyor serve` to the first successful completion, then stop it with SIGINT.
 
-    .venv/bin/python benchmarks/serve_startup.py [--model smollm2] [--port 8000]
+    .venv/bin/python -m benchmarks.serve_startup [--model smollm2] [--port 8000]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=300.0)

@@ -5,8 +5,8 @@ outputs 8-128, ignore-EOS) on a fresh engine; configs alternate within a rate so
 load. The claim checked: with --itl-slo-ms X, p99 ITL <= X at every rate, and its output throughput is
 within 10% of the best fixed budget that also meets X; a large fixed budget breaks X.
 
-    .venv/bin/python benchmarks/slo_sweep.py                                  # ~8 minutes on 2 cores
-    .venv/bin/python benchmarks/slo_sweep.py --rates 0.5,1 --budgets 64,1024 --num-prompts 20
+    .venv/bin/python -m benchmarks.slo_sweep                                  # ~8 minutes on 2 cores
+    .venv/bin/python -m benchmarks.slo_sweep --rates 0.5,1 --budgets 64,1024 --num-prompts 20
 """
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conveyor.bench.inproc import make_engine, run_inproc, stream_one  # noqa: E402
-from conveyor.bench.metrics import summarize  # noqa: E402
-from conveyor.bench.plots import plot_curves  # noqa: E402
-from conveyor.bench.workload import (  # noqa: E402
+from conveyor.bench.inproc import make_engine, run_inproc, stream_one
+from conveyor.bench.metrics import summarize
+from conveyor.bench.plots import plot_curves
+from conveyor.bench.workload import (
     arrival_offsets,
     build_requests,
     sharegpt_like_lengths,

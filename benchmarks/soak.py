@@ -6,7 +6,7 @@ status (429 / 503), or error (anything else: a 5xx, a stream cut by the server, 
 every replica must hold no KV blocks and no queued or running sequence, no replica may have restarted (same
 replica ids and pids), and each replica's RSS must level off (see run_soak for what that means).
 
-    .venv/bin/python benchmarks/soak.py [--requests 2000] [--phases 4] [--concurrency 16] [--replicas 2]
+    .venv/bin/python -m benchmarks.soak [--requests 2000] [--phases 4] [--concurrency 16] [--replicas 2]
 
 Results: benchmarks/out/soak.json ($CONVEYOR_ARTIFACTS/soak.json when set). Exit status 1 if any check fails.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
-import httpx  # noqa: E402
+import httpx
 
 # benchmarks/out/ is git-ignored; $CONVEYOR_ARTIFACTS, when set, takes the results instead
 RESULTS = Path(os.environ.get("CONVEYOR_ARTIFACTS") or Path(__file__).resolve().parent / "out") / "soak.json"
@@ -314,7 +314,6 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.tiny_model
 
     import ray
     from ray import serve

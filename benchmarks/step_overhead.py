@@ -10,9 +10,9 @@ is what `conveyor serve` adds between its processes: the step's outputs and stat
 model is so small that the host work shows apart from the model; it is the part of a step that stays the same on
 a GPU, where it is what leaves the device idle between steps.
 
-    .venv/bin/python benchmarks/step_overhead.py                       # batch 1, 64, 256; greedy and top-p
-    .venv/bin/python benchmarks/step_overhead.py --batch-sizes 64 --json out.json
-    .venv/bin/python benchmarks/step_overhead.py --model ~/.cache/conveyor/models/SmolLM2-135M-Instruct
+    .venv/bin/python -m benchmarks.step_overhead                       # batch 1, 64, 256; greedy and top-p
+    .venv/bin/python -m benchmarks.step_overhead --batch-sizes 64 --json out.json
+    .venv/bin/python -m benchmarks.step_overhead --model ~/.cache/conveyor/models/SmolLM2-135M-Instruct
 
 The tiny model's vocabulary has 384 tokens, so its sampling column shows the per-step overhead, not the cost of
 sampling over a real vocabulary (SmolLM2: 49 152); --model with a real one shows that.
@@ -23,14 +23,11 @@ import argparse
 import json
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.tiny_model
-
-from conveyor.serving import LLM, SamplingParams  # noqa: E402
+from conveyor.serving import LLM, SamplingParams
 
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "output_s", "process_s")
 

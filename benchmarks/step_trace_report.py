@@ -9,7 +9,7 @@ step: waiting for work, the transport to the parent process) and the engine's bu
 `conveyor serve` and the same load in process) the groups are printed side by side.
 
     CONVEYOR_STEP_TRACE=/tmp/served.jsonl .venv/bin/conveyor serve ...          # then a load
-    .venv/bin/python benchmarks/step_trace_report.py /tmp/served.jsonl [/tmp/inproc.jsonl] [--skip-s 30]
+    .venv/bin/python -m benchmarks.step_trace_report /tmp/served.jsonl [/tmp/inproc.jsonl] [--skip-s 30]
 """
 from __future__ import annotations
 

@@ -9,23 +9,20 @@
 3. Never blocked: while 8 unconstrained requests decode, 12 requests with distinct large schemas (1500 fields)
    arrive; the step time before and while their compiles are pending (p50/max).
 
-    .venv/bin/python benchmarks/structured.py                       # ~8 min on 2 cores
-    .venv/bin/python benchmarks/structured.py --json benchmarks/out/structured.json
+    .venv/bin/python -m benchmarks.structured                       # ~8 min on 2 cores
+    .venv/bin/python -m benchmarks.structured --json benchmarks/out/structured.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.structured_cases
-
-from conveyor.serving import LLM, SamplingParams  # noqa: E402
-from conveyor.serving.request import StructuredOutputsParams  # noqa: E402
-from tests.structured_cases import SCHEMA_CASES  # noqa: E402
+from conveyor.serving import LLM, SamplingParams
+from conveyor.serving.request import StructuredOutputsParams
+from tests.structured_cases import SCHEMA_CASES
 
 NUM_REQUESTS = 64
 OUTPUT_TOKENS = 128

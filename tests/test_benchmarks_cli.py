@@ -1,0 +1,117 @@
+"""benchmarks/ holds maintained tools: each script has a header that says what it measures and how to run it, answers
+`--help`, and runs as `python -m benchmarks.X` from the checkout root without editing sys.path (an edited sys.path
+puts the checkout root first wherever the script runs, which is how a root folder once hid a PyPI package)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
+VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _has_main(tree: ast.Module) -> bool:
+    """A script: `if __name__ == "__main__":` at module level. The others are helpers the scripts import."""
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in tree.body)
+
+
+def _imports_vllm_at_top(tree: ast.Module) -> bool:
+    """Scripts that run in vLLM's own venv (they import vllm when loaded), not in Conveyor's."""
+    for node in tree.body:
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            return True
+    return False
+
+
+def sys_path_edits(source: str) -> list[str]:
+    """Every place the code changes sys.path: a call of one of its methods, an assignment to it, or site.addsitedir."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if owner == "sys.path" or (owner == "site" and node.func.attr == "addsitedir"):
+                target = node
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):  # also `sys.path += ...`
+            if ast.unparse(node) == "sys.path":
+                target = node
+        if target is not None:
+            found.append(f"line {target.lineno}: {ast.unparse(target)}")
+    return found
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import sys\nsys.path.insert(0, 'x')\n", 1),
+    ("import sys\nsys.path.append('x')\n", 1),
+    ("import sys\nsys.path = ['x']\n", 1),
+    ("import sys\nsys.path += ['x']\n", 1),
+    ("import site\nsite.addsitedir('x')\n", 1),
+    ("import sys\nprint(sys.path[0])\nexcept_ok = 'sys.path.insert'\n", 0),  # reading it, or the words in a string
+])
+def test_the_sys_path_check_finds_edits(source: str, expected: int) -> None:
+    assert len(sys_path_edits(source)) == expected
+
+
+def test_there_are_scripts_to_check() -> None:
+    assert len(SCRIPTS) >= 10, SCRIPTS
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_no_script_edits_sys_path(path: Path) -> None:
+    edits = sys_path_edits(path.read_text())
+    assert not edits, f"{path.name} edits sys.path (run it as python -m benchmarks.{path.stem} instead): {edits}"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_has_a_header(path: Path) -> None:
+    tree = _tree(path)
+    doc = ast.get_docstring(tree) or ""
+    assert len(doc.split()) >= 8, f"{path.name}: no module docstring saying what it measures or provides"
+    if _has_main(tree):  # a script also says how to run it
+        assert f"-m benchmarks.{path.stem}" in doc or f"benchmarks/{path.stem}.py" in doc, (
+            f"{path.name}: its docstring shows no command line (python -m benchmarks.{path.stem} ...)")
+
+
+def _run_help(path: Path) -> subprocess.CompletedProcess[str] | None:
+    tree = _tree(path)
+    python = sys.executable
+    if _imports_vllm_at_top(tree):
+        if not VLLM_PYTHON.exists():
+            return None
+        python = str(VLLM_PYTHON)
+    # --help for a script; for a helper, its import alone (it must load without side effects)
+    args = [python, "-m", f"benchmarks.{path.stem}", "--help"] if _has_main(tree) else \
+        [python, "-c", f"import benchmarks.{path.stem}"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def help_results() -> dict[str, subprocess.CompletedProcess[str] | None]:
+    """Every script's --help, a few at a time: most import torch, which takes seconds each."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip([p.name for p in SCRIPTS], pool.map(_run_help, SCRIPTS), strict=True))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_answers_help(path: Path, help_results: dict) -> None:
+    result = help_results[path.name]
+    if result is None:
+        pytest.skip(f"{path.name} runs in vLLM's venv, and {VLLM_PYTHON} is missing (bash benchmarks/setup_vllm.sh)")
+    assert result.returncode == 0, f"{path.name}: exit {result.returncode}\n{result.stderr[-3000:]}"
+    if _has_main(_tree(path)):
+        assert "usage:" in result.stdout, f"{path.name} --help printed no usage:\n{result.stdout[-2000:]}"
