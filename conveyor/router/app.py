@@ -94,6 +94,10 @@ class ServeArgs(BaseModel):
     max_queue_wait_s: float | None = Field(None, gt=0)  # shed (429) what would wait longer for a batch slot
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replica_wait_timeout_s: float = Field(30.0, gt=0)
+    # deadlines (docs/limits.md): queue + generation from arrival (None: none), a 408 or an SSE error past it; and
+    # parsing + validating a body on the ingress's worker threads, a 413 past it
+    request_timeout_s: float | None = Field(1800.0, gt=0)
+    parse_timeout_s: float = Field(5.0, gt=0)
     ingress_max_ongoing_requests: int = Field(1000, ge=1)
     api_key: str | None = None
     # a file holding the API key, read by each ingress replica at its start (a Kubernetes Secret mounted in every
@@ -140,7 +144,8 @@ class ServeArgs(BaseModel):
                                api_key_file=self.api_key_file,
                                max_body_bytes=self.max_body_bytes,
                                replica_wait_timeout_s=self.replica_wait_timeout_s,
-                               ready_timeout_s=self.ready_timeout_s, stream_mux=self.stream_mux)
+                               ready_timeout_s=self.ready_timeout_s, stream_mux=self.stream_mux,
+                               request_timeout_s=self.request_timeout_s, parse_timeout_s=self.parse_timeout_s)
 
     def replica_options(self) -> dict[str, Any]:
         # The engine's waiting queue is the admission bound (it answers 429); Serve must not cap or queue

@@ -13,13 +13,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from conveyor.router import json_limits
-from conveyor.router.errors import ApiError, from_validation, install_handlers
+from conveyor.router.deadline import timeout_error, with_deadline
+from conveyor.router.errors import ApiError, install_handlers
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
+from conveyor.router.parse_pool import DEFAULT_PARSE_TIMEOUT_S, ParsePool, parse_body
 from conveyor.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,6 +51,9 @@ class IngressSettings(BaseModel):
     # Streamed records from each engine replica come in one message per engine step for all of this ingress's
     # streams there (conveyor/router/mux.py), not one message per token per stream.
     stream_mux: bool = True
+    # Parsing and validating a body runs on worker threads, never the event loop; past this it is a 413.
+    parse_timeout_s: float = DEFAULT_PARSE_TIMEOUT_S
+    request_timeout_s: float | None = None  # queue + generation, from arrival; None: no limit (deadline.py)
 
 
 # serve.ingress pickles the app and this class when the decorator runs, with the module globals that exist
@@ -107,6 +111,10 @@ class Ingress:
         from conveyor.router.demux import Demux
 
         self._demux = Demux(engine, ingress_label) if settings.stream_mux else None
+        self._parser = ParsePool(timeout_s=settings.parse_timeout_s)
+        from conveyor.router.serve_headers import ignore_client_overrides
+
+        ignore_client_overrides()  # a client cannot switch off Serve's request timeout or disconnect handling
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")
@@ -150,6 +158,7 @@ class Ingress:
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
+        deadline = self._deadline()
         req = await self._parse(request, CompletionRequest)
         model = self._check_model(req.model)
         n = req.n
@@ -159,11 +168,12 @@ class Ingress:
                                  unset=req.unset_sampling_fields()))
                    for j, p in enumerate(req.prompts()) for k in range(n)]
         fmt = CompletionFormat(new_id("cmpl"), model)
-        return await self._serve(choices, fmt, req.stream, req.include_usage)
+        return await self._serve(choices, fmt, req.stream, req.include_usage, deadline)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
+        deadline = self._deadline()
         req = await self._parse(request, ChatCompletionRequest)
         model = self._check_model(req.model)
         messages = req.conversation()
@@ -173,7 +183,7 @@ class Ingress:
                    for k in range(req.n)]
         fmt = ChatFormat(new_id("chatcmpl"), model, req.tool_mode,
                          tuple(t.function.name for t in req.tools or ()), req.named_tool)
-        return await self._serve(choices, fmt, req.stream, req.include_usage)
+        return await self._serve(choices, fmt, req.stream, req.include_usage, deadline)
 
     # ---- request checks ----------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -187,20 +197,12 @@ class Ingress:
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
         body = await self._read_body(request)
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ApiError.invalid("request body is not valid UTF-8", code="invalid_encoding") from None
-        try:
-            data = json_limits.loads(text)  # depth, digit limit, NaN, lone surrogates: all a 400
-        except ValueError as exc:
-            raise ApiError.invalid(str(exc), code=getattr(exc, "code", "invalid_json")) from None
-        if not isinstance(data, dict):
-            raise ApiError.invalid("request body must be a JSON object", code="invalid_json")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation(exc) from None
+        # JSON, pydantic, grammar and tool validation: CPU work that must not hold the streams this loop relays.
+        return await self._parser.run(parse_body, body, model)
+
+    def _deadline(self) -> float | None:
+        timeout_s = self.settings.request_timeout_s
+        return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -224,17 +226,27 @@ class Ingress:
 
     # ---- generation --------------------------------------------------------------------------------
     async def _serve(self, choices: list[tuple[ChoiceState, dict]], fmt: ChatFormat | CompletionFormat,
-                     stream: bool, include_usage: bool) -> Response:
-        """Start every choice (errors still become statuses), then stream SSE or answer with one body."""
-        states = [state for state, _ in choices]
-        started = await self._start_all([request for _, request in choices])
+                     stream: bool, include_usage: bool, deadline: float | None = None) -> Response:
+        """Start every choice (errors still become statuses), then stream SSE or answer with one body; past the
+        deadline (request_timeout_s) the engine work is cancelled and the answer is a 408 or an SSE error."""
+        timeout_s = self.settings.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                started = await self._start_all([request for _, request in choices])
+        except TimeoutError:  # still queued (or prefilling): _start_all cancelled what it had started
+            raise timeout_error(timeout_s) from None
         fmt.fingerprint = started[0].first.get("replica")
+        states = [state for state, _ in choices]
         if stream:
             body = sse_body(started, states, fmt, include_usage, on_cut=self._count_cut)
+            body = with_deadline(body, deadline, timeout_s, [s.cancel for s in started])
             return ReplicaStreamingResponse(body, started)
         try:
-            async for i, record in merge_records(started):
-                states[i].update(record)
+            async with asyncio.timeout_at(deadline):
+                async for i, record in merge_records(started):
+                    states[i].update(record)
+        except TimeoutError:
+            raise timeout_error(timeout_s) from None
         except Exception as exc:
             logger.warning("request failed mid-generation: %r", exc)
             self._count_cut()

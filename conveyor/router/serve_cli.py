@@ -95,6 +95,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="put Ray Serve's HTTP proxy in front of the ingress (default: the ingress listens on "
                              "--port itself, one hop less per streamed token)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="end a request (queue + generation) after this many seconds: a 408, or an SSE error "
+                             "event mid-stream, and its engine work aborted (default 1800)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="streamed tokens leave the replica every this many, the first and last at once "
                              "(vLLM's --stream-interval): less CPU per token on every hop, a coarser stream")

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import llguidance
@@ -28,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar larger than this is refused at validation
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# Compiles run side by side on this many threads (one slow schema does not hold the others back), and at most this
+# many more replace compiles written off at their time-out (CompilePool).
+DEFAULT_COMPILE_THREADS = 2
+MAX_ABANDONED_COMPILES = 4
 MAX_CACHED_GRAMMARS = 256
 MAX_COMPILE_TIMES = 4096
 COMPILE_THREAD_NICE = int(os.environ.get("CONVEYOR_GRAMMAR_NICE", "10"))
@@ -98,10 +104,11 @@ class RequestGrammar:
     """A request's matcher: pending while it compiles, then ready (or failed). The scheduler admits the request
     only once ready; a compile past the time-out fails the request rather than hanging it."""
 
-    def __init__(self, future: Future, timeout_s: float) -> None:
+    def __init__(self, future: Future, timeout_s: float, on_timeout: Callable[[Future], None] | None = None) -> None:
         self._future = future
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
+        self._on_timeout = on_timeout  # the pool writes the compile off (CompilePool.abandon)
         self.matcher: Any = None  # llguidance.LLMatcher once ready
         self.error: str | None = None
 
@@ -119,6 +126,8 @@ class RequestGrammar:
             return self.matcher is not None
         if time.monotonic() > self._deadline:
             self.error = f"the grammar did not compile within {self._timeout_s:g} s"
+            if not self._future.cancel() and self._on_timeout is not None:  # queued: cancelled; running: written off
+                self._on_timeout(self._future)
         return False
 
     @property
@@ -152,10 +161,10 @@ class GrammarCompiler:
     """Builds matchers in a thread pool (the library drops the GIL while it parses a grammar) and caches one
     template matcher per grammar text, so the next request with the same schema gets a copy in microseconds."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, *, num_threads: int = 1,
+    def __init__(self, tokenizer: Any, vocab_size: int, *, num_threads: int = DEFAULT_COMPILE_THREADS,
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar", initializer=_yield_to_the_step)
+        self._pool = CompilePool(num_threads, MAX_ABANDONED_COMPILES, initializer=_yield_to_the_step)
         # The tokenizer's byte-level view (~1 s to build): once, in the pool, ahead of the first grammar.
         self._lltokenizer = self._pool.submit(_lltokenizer, tokenizer, vocab_size)
         self._cache: OrderedDict[str, Any] = OrderedDict()
@@ -164,7 +173,7 @@ class GrammarCompiler:
         self.compile_times_s: deque[float] = deque(maxlen=MAX_COMPILE_TIMES)  # recent cold compiles
 
     def submit(self, params: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self._pool.submit(self._matcher, params), self.timeout_s)
+        return RequestGrammar(self._pool.submit(self._matcher, params), self.timeout_s, self._pool.abandon)
 
     def _matcher(self, params: StructuredOutputsParams) -> Any:
         grammar = grammar_text(params)
@@ -184,6 +193,65 @@ class GrammarCompiler:
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
         return template.deep_copy()
+
+
+class CompilePool:
+    """Threads for compiles. The library cannot interrupt a compile, so one past its time-out is written off
+    (`abandon`): a replacement thread starts at once, so the compiles queued behind it do not wait for it, and the
+    thread that ran it exits when it ends (its fuel limits bound it). At most `max_abandoned` replacements exist
+    at a time; past that, queued compiles wait and time out in turn."""
+
+    def __init__(self, num_threads: int, max_abandoned: int, initializer: Callable[[], None]) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._initializer = initializer
+        self._lock = threading.Lock()
+        self._base = num_threads
+        self._max_threads = num_threads + max_abandoned
+        self._abandoned: set[Future] = set()
+        self._threads = 0
+        for _ in range(num_threads):
+            self._spawn()
+
+    @property
+    def num_threads(self) -> int:
+        return self._threads
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def abandon(self, future: Future) -> None:
+        """A running compile past its time-out: let another thread take the queue while it finishes."""
+        with self._lock:
+            if future.done() or future in self._abandoned or self._threads >= self._max_threads:
+                return
+            self._abandoned.add(future)
+            self._spawn()
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._abandoned.discard(future)
+
+    def _spawn(self) -> None:
+        self._threads += 1
+        threading.Thread(target=self._work, name=f"grammar-{self._threads}", daemon=True).start()
+
+    def _work(self) -> None:
+        self._initializer()
+        while True:
+            future, fn, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the request, which fails with it
+                    future.set_exception(exc)
+            with self._lock:  # one thread too many once an abandoned compile has ended: this one leaves
+                if self._threads > self._base + len(self._abandoned):
+                    self._threads -= 1
+                    return
+
 
 def _yield_to_the_step(niceness: int = COMPILE_THREAD_NICE) -> None:
     """Run compiles at the lowest CPU priority (Linux niceness is per thread; raising it needs no privilege).
