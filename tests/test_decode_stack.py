@@ -92,4 +92,27 @@ def test_the_op_rejects_inconsistent_layer_lists():
     empty = torch.zeros(0)
     with pytest.raises(RuntimeError, match="layers need 14 weights"):
         torch.ops.conveyor_cpu.decode_layers(x, [empty], [3, 3, 3, 3], [empty], [empty], empty, empty, empty,
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mixed_steps_split_in_two_forwards_keep_the_tokens(quantized_dir, temperature):
+    # A budget of 8 tokens chunks the prompts beside running decodes: most steps are mixed.
+    kwargs = dict(gguf_max_rows=8, num_kv_blocks=256, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
+              for i, n in enumerate(NUM_TOKENS)]
+    split = LLM(str(quantized_dir), **kwargs)
+    runner = split.engine.runner
+    num_split = 0
+    forward_split = runner._forward_split
+
+    def counting(*args, **kw):  # noqa: ANN002, ANN003, ANN202 - a spy around the runner's own method
+        nonlocal num_split
+        num_split += 1
+        return forward_split(*args, **kw)
+
+    runner._forward_split = counting
+    together = LLM(str(quantized_dir), split_mixed_steps=False, **kwargs)
+    assert [r.token_ids for r in split.generate(PROMPTS, params)] == \
+        [r.token_ids for r in together.generate(PROMPTS, params)]
+    assert num_split > 0
                                              empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6)

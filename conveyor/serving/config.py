@@ -137,6 +137,9 @@ class EngineConfig:
     # CPU, every projection in GGUF blocks: a step of decodes only runs its decoder layers in one C++ call instead of
     # ~10 Python-driven kernel calls per layer, bit-identical (see models/decode_stack.py). The CPU's CUDA graph.
     cpu_decode_stack: bool = True
+    # With that loop: a step mixing decodes and prefill chunks runs as two forwards, the decodes through the loop,
+    # the chunks through the module path (model_runner.py _forward_split), rather than every row through the latter.
+    split_mixed_steps: bool = True
     # Structured outputs: a grammar still compiling after this long fails its request (finish_reason "error").
     grammar_compile_timeout_s: float = 30.0
     # vLLM's stream_interval: a stream gets a request's tokens every this many (its first and last at once): fewer,

@@ -120,7 +120,7 @@ class LLMEngine:
                                   # a decode batch never exceeds the token budget: no graph above it
                                   max_num_seqs=min(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens),
                                   cuda_graphs="capture" if config.enable_cuda_graphs else "off",
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype, split_mixed_steps=config.split_mixed_steps)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request

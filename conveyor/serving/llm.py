@@ -32,7 +32,8 @@ class LLM:
                  device: str = "auto", attention_backend: str = "auto", seed: int = 0,
                  itl_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
                  ttft_slo_ms: float | None = None, gguf_max_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, cpu_decode_stack: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, cpu_decode_stack: bool = True,
+                 split_mixed_steps: bool = True) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -42,7 +43,8 @@ class LLM:
                                       scheduling=scheduling, itl_slo_ms=itl_slo_ms, tpot_slo_ms=tpot_slo_ms,
                                       ttft_slo_ms=ttft_slo_ms,
                                       async_scheduling=async_scheduling),
-            attention_backend=attention_backend, gguf_max_rows=gguf_max_rows, cpu_decode_stack=cpu_decode_stack)
+            attention_backend=attention_backend, gguf_max_rows=gguf_max_rows, cpu_decode_stack=cpu_decode_stack,
+            split_mixed_steps=split_mixed_steps)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

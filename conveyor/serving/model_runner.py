@@ -14,7 +14,7 @@ from conveyor.serving.cuda_graphs import DecodeGraphs, capture_sizes, graph_unsa
 from conveyor.serving.input_batch import InputBatch
 from conveyor.serving.kv_cache_manager import cdiv
 from conveyor.serving.logits_processors import edit_logits
-from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput, StepTimings
+from conveyor.serving.outputs import ModelRunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput, StepTimings
 from conveyor.serving.request import Request, SamplingParams
 from conveyor.serving.sampler import Sampler, argmax, make_generator
 
@@ -60,13 +60,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype, *,
                  attention_backend: str = "torch", max_model_len: int | None = None, max_num_seqs: int = 64,
-                 cuda_graphs: str = "off", kv_cache_dtype: torch.dtype | None = None) -> None:
+                 cuda_graphs: str = "off", kv_cache_dtype: torch.dtype | None = None,
+                 split_mixed_steps: bool = True) -> None:
         """dtype: the model's; kv_cache_dtype: the KV cache's (None: dtype). The attention backend converts each
         written row to the cache's dtype and reads it back in the query's."""
         if cuda_graphs not in ("off", "capture", "static"):
             raise ValueError(f"cuda_graphs must be 'off', 'capture' or 'static', got {cuda_graphs!r}")
         self.model = model
         self.device = device
+        # Mixed steps as two forwards where the model has a C++ decode loop (_forward_split).
+        self.split_mixed_steps = split_mixed_steps
         self.block_size = block_size
         self.num_blocks = num_blocks
         if cuda_graphs == "capture":
@@ -121,8 +124,10 @@ class ModelRunner:
         if hidden is not None:  # one row per chunk, in order (graph replay: preparing and running are one)
             logits_indices = (slice(None) if len(requests) == len(sched.chunks) else torch.tensor(
                 [i for i, c in enumerate(sched.chunks) if c.samples], dtype=torch.int64).to(self.device))
+        elif self.split_mixed_steps and (split := self._split(sched.chunks)) is not None:
+            hidden, logits_indices = self._forward_split(sched.chunks, *split, timings), slice(None)
         else:
-            input_ids, positions, meta, logits_indices = self._prepare_inputs(sched)
+            input_ids, positions, meta, logits_indices = self._prepare_inputs(sched.chunks)
             timings.prepare_s = time.perf_counter() - start
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if requests:
@@ -171,9 +176,37 @@ class ModelRunner:
             gen = self._generators[request_id] = make_generator(seed, self.device)
         return gen
 
-    def _prepare_inputs(self, sched: SchedulerOutput
+    def _split(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]] | None:
+        """(1-token chunks, the rest) of a mixed step whose 1-token rows the C++ decode loop can run; else None."""
+        stack = getattr(self.model, "decode_stack", None)
+        if stack is None:
+            return None
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        if not decodes or len(decodes) == len(chunks) or len(decodes) > stack.max_rows:
+            return None
+        return decodes, [c for c in chunks if c.num_tokens != 1]
+
+    def _forward_split(self, chunks: list[ScheduledChunk], decodes: list[ScheduledChunk],
+                       prefills: list[ScheduledChunk], timings: StepTimings) -> torch.Tensor:
+        """A mixed step as two forwards: its decodes through the C++ decode loop (and the quantized rows), its
+        prefill chunks through the module path, where a mixed batch would send every row down the module path
+        (RESULTS.md, "Mixed steps"). Each chunk's attention reads only its own sequence, so the order is free.
+        Returns the sampled rows' hidden states in the step's chunk order."""
+        parts, sampled = [], []
+        for group in (decodes, prefills):
+            start = time.perf_counter()
+            input_ids, positions, meta, logits_indices = self._prepare_inputs(group)
+            timings.prepare_s += time.perf_counter() - start
+            parts.append(self.model(input_ids, positions, self.kv_caches, meta)[logits_indices])
+            sampled += [c for c in group if c.samples]
+        hidden = torch.cat(parts)
+        position = {id(c): i for i, c in enumerate(sampled)}
+        order = [position[id(c)] for c in chunks if c.samples]
+        return hidden if order == sorted(order) else hidden[torch.tensor(order, device=hidden.device)]
+
+    def _prepare_inputs(self, chunks: list[ScheduledChunk]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        arrays = self.input_batch.prepare(sched.chunks, self.last_sampled)
+        arrays = self.input_batch.prepare(chunks, self.last_sampled)
         dev = self.device
 
         def tensor(a: np.ndarray) -> torch.Tensor:
