@@ -136,16 +136,21 @@ def tiny_llm(tiny_model_dir):
 def test_profile_step_runs_on_cpu(tiny_llm) -> None:
     e = tiny_llm.engine
     hf = e.hf_config
+    before = [k.clone() for k, _ in e.runner.kv_caches]
     for num_tokens, num_seqs, max_len in ((40, 6, 512), (40, 1, 16), (3, 8, 512)):
         profile_step(e.model, hf.num_hidden_layers, hf.num_key_value_heads, 16, 4, e.device, e.dtype,
                      num_tokens=num_tokens, num_seqs=num_seqs, max_model_len=max_len)
+    # it runs on a throwaway cache: the engine's own is left as it was
+    assert all(torch.equal(k, b) for (k, _), b in zip(e.runner.kv_caches, before, strict=True))
 
 
 def test_profile_step_with_a_bfloat16_kv_cache_on_cpu(tiny_llm) -> None:
     e = tiny_llm.engine
     hf = e.hf_config
+    before = [k.clone() for k, _ in e.runner.kv_caches]
     profile_step(e.model, hf.num_hidden_layers, hf.num_key_value_heads, 16, 4, e.device, e.dtype,
                  num_tokens=40, num_seqs=6, max_model_len=512, kv_cache_dtype=torch.bfloat16)
+    assert all(torch.equal(k, b) for (k, _), b in zip(e.runner.kv_caches, before, strict=True))
 
 
 def test_capture_is_ignored_on_cpu(tiny_llm, caplog) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels import cpu_ext
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.models.decode_stack import unavailable_reason
+from tests.cpu_ext_gate import require_cpu_ext
 
-if not cpu_ext.has_op("decode_layers"):
-    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+require_cpu_ext("decode_layers")
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9], [11, 12, 13], [5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9, 50],
            list(range(40, 75)), [7, 7, 7, 7, 7]]
@@ -92,6 +91,7 @@ def test_the_op_rejects_inconsistent_layer_lists():
     empty = torch.zeros(0)
     with pytest.raises(RuntimeError, match="layers need 14 weights"):
         torch.ops.conveyor_cpu.decode_layers(x, [empty], [3, 3, 3, 3], [empty], [empty], empty, empty, empty,
+                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -115,4 +115,3 @@ def test_mixed_steps_split_in_two_forwards_keep_the_tokens(quantized_dir, temper
     assert [r.token_ids for r in split.generate(PROMPTS, params)] == \
         [r.token_ids for r in together.generate(PROMPTS, params)]
     assert num_split > 0
-                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6)

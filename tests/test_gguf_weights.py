@@ -5,12 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conveyor.kernels import cpu_ext, gguf
+from conveyor.kernels import gguf
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.models.gguf_weights import GGUFLinear, hf_name, load_blocks
+from tests.cpu_ext_gate import require_cpu_ext
 
-if not gguf.is_available():
-    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+require_cpu_ext("gguf_linear")
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9], [11, 12, 13], [5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 9, 50],
            list(range(40, 75))]

@@ -16,6 +16,7 @@ import torch
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.models.llama import LlamaForCausalLM
 from conveyor.serving.models.loader import load_model, resolve_model_path
+from tests.cpu_ext_gate import require_cpu_ext
 
 BLOCK_SIZE = 4  # small, so prefill chunks and decodes cross block boundaries
 NUM_BLOCKS = 48
@@ -246,10 +247,8 @@ def test_smollm2_matches_transformers():
 def test_cpu_backend_matches_transformers(tiny):
     """The "cpu" backend: C++ decode attention plus the fused norm and rope ops, through prefill chunks,
     decodes and a packed mixed step."""
-    from conveyor.kernels import cpu_ext
 
-    if not cpu_ext.is_available():
-        pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}")
+    require_cpu_ext()
     _, hf, path = tiny
     ours, _, _ = load_model(str(path), torch.float32, torch.device("cpu"), attention_backend="cpu")
     assert ours.model.fused
@@ -276,11 +275,10 @@ def test_bfloat16_on_cpu_matches_transformers(tiny, backend):
     """bfloat16 on CPU (with oneDNN-packed bf16 linears where the CPU multiplies bf16 natively): the rope tables
     stay float32 through model.to(bfloat16), and prefill, chunked prefill and decodes match transformers run in
     bfloat16 to within bf16 rounding (summation orders differ)."""
-    from conveyor.kernels import cpu_ext
     from conveyor.serving.models.cpu_packing import packable_dtypes
 
-    if backend == "cpu" and not cpu_ext.is_available():
-        pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}")
+    if backend == "cpu":
+        require_cpu_ext()
     _, hf32, path = tiny
     ours, _, _ = load_model(str(path), torch.bfloat16, torch.device("cpu"), attention_backend=backend)
     assert ours.model.rotary_emb.cos.dtype == torch.float32

@@ -15,6 +15,7 @@ from conveyor.serving import sampler as sampler_module
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.request import StructuredOutputsParams as Spec
 from conveyor.serving.sampler import LOGPROB_FLOOR, NO_TOKEN, Sampler, make_generator
+from tests.cpu_ext_gate import require_cpu_ext
 
 VOCAB = 300
 
@@ -40,15 +41,16 @@ def test_the_api_refuses_them_with_a_validation_error(field: str, value: object)
 
 
 def test_documented_edges_are_accepted() -> None:
-    SamplingParams(repetition_penalty=0.01, temperature=100.0, seed=(1 << 64) - 1)
-    SamplingParams(repetition_penalty=100.0, seed=-(1 << 63))
+    low = SamplingParams(repetition_penalty=0.01, temperature=100.0, seed=(1 << 64) - 1)
+    high = SamplingParams(repetition_penalty=100.0, seed=-(1 << 63))
+    assert (low.repetition_penalty, low.temperature, low.seed) == (0.01, 100.0, (1 << 64) - 1)
+    assert (high.repetition_penalty, high.seed) == (100.0, -(1 << 63))
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def path(request, monkeypatch) -> str:
     if request.param == "kernel":
-        if not cpu_ext.has_op("sample_rows"):
-            pytest.skip("CPU sampling kernel not built here")
+        require_cpu_ext("sample_rows")
     else:
         monkeypatch.setattr(sampler_module, "_cpu_kernel", lambda: False)
     return request.param
@@ -106,8 +108,8 @@ def test_logprobs_are_finite_under_a_mask_and_on_bad_rows(path: str) -> None:
     assert list(with_logprobs[7].top_logprobs.values()).count(LOGPROB_FLOOR) == 15  # 20 asked, 5 unmasked
 
 
-@pytest.mark.skipif(not cpu_ext.has_op("sample_rows"), reason="CPU sampling kernel not built here")
 def test_the_kernel_never_reads_past_an_empty_row() -> None:
+    require_cpu_ext("sample_rows")
     logits = torch.full((4, 4099), -math.inf)
     logits[1, 5] = math.nan
     logits[2, 4098] = math.inf

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.kernels import cpu_ext, cpu_fused
+from conveyor.kernels import cpu_fused
+from tests.cpu_ext_gate import require_cpu_ext
 
-if not cpu_fused.is_available():
-    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+require_cpu_ext("rms_norm")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

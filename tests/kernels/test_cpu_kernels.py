@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conveyor.kernels import cpu_ext, ops, reference, torch_native
+from tests.cpu_ext_gate import require_cpu_ext
 from tests.kernels.cases import (
     BAD_BLOCK,
     DECODE_SPECS,
@@ -18,10 +19,7 @@ from tests.kernels.cases import (
     rel_err,
 )
 
-try:
-    KERNELS = cpu_ext.load()  # the first run on a machine builds it (~30 s)
-except RuntimeError as exc:
-    pytest.skip(f"CPU extension cannot be built here: {exc}", allow_module_level=True)
+KERNELS = require_cpu_ext()  # the first run on a machine builds it (~30 s)
 
 HEADS = [(4, 4), (9, 3), (8, 2)]  # (H, KVH): groups 1, 3, 4
 

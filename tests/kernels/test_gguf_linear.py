@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.kernels import cpu_ext, gguf
+from conveyor.kernels import gguf
+from tests.cpu_ext_gate import require_cpu_ext
 
-if not gguf.is_available():
-    pytest.skip(f"CPU extension unavailable: {cpu_ext.unavailable_reason()}", allow_module_level=True)
+require_cpu_ext("gguf_linear")
 
 TYPES = [gguf.Q4_1, gguf.Q8_0]
 
