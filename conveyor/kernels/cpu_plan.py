@@ -7,9 +7,9 @@
   loads serves a tile of query positions, where the decode kernel would read the context once per row.
 
 SmolLM2's shapes, 2 threads (`python -m benchmarks.kernels_bench chunk-attention`, on an AMD EPYC with AVX-512):
-the prefill kernel is 2.0-2.7x faster than torch's SDPA from 16 tokens up at every context, and faster than decode rows from 8-16
-tokens up; decode rows win at 4 (3.2 vs 2.5x). The plan is built by the first layer of a step and reused by the
-others: the index tensors cost more host time to build than one layer's attention of a short step.
+the prefill kernel is 2.0-2.7x faster than torch's SDPA from 16 tokens up at every context, and faster than decode
+rows from 8-16 tokens up; decode rows win at 4 (3.2 vs 2.5x). The plan is built by the first layer of a step and
+reused by the others: the index tensors cost more host time to build than one layer's attention of a short step.
 """
 from __future__ import annotations
 
