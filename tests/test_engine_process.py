@@ -153,6 +153,38 @@ def test_a_dead_engine_process_fails_its_streams(tiny_model_dir):
         engine.shutdown()
 
 
+def test_an_exception_on_one_message_fails_that_request_only(engine):
+    async def main():
+        live = engine.generate("The quick", SamplingParams(max_tokens=30, ignore_eos=True))
+        first = await live.__anext__()
+        assert engine._query("fail_next_add") is True  # noqa: SLF001 - the child's next Add raises, as a bug would
+        with pytest.raises(RuntimeError, match="injected failure"):
+            await _collect(engine, "brown fox")
+        return [first] + [o async for o in live]
+
+    outputs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert sum(len(o.delta_token_ids) for o in outputs) == 30
+    assert engine.is_alive()
+    assert asyncio.run(_collect(engine, "The quick"))[-1].finish_reason == "length"
+    assert _wait_for(lambda: not any(engine.request_state().values()))
+
+
+def test_no_stream_waits_on_a_dead_engine_process(tiny_model_dir):
+    engine = ProcessEngine.from_config(_config(tiny_model_dir), 1)
+    try:
+        engine._process.kill()  # noqa: SLF001
+        assert _wait_for(lambda: not engine.is_alive())
+
+        async def late():
+            with pytest.raises(RuntimeError, match="engine process"):
+                await _collect(engine, "The quick")
+
+        asyncio.run(asyncio.wait_for(late(), 5))
+    finally:
+        engine.shutdown()
+
+
 def test_the_engine_process_exits_with_its_parent(tiny_model_dir):
     # The parent dies without any cleanup (SIGKILL, as ray.kill does to a replica): its end of the socket
     # closes with it, and the child must notice and exit rather than hold the model's memory forever.

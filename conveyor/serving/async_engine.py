@@ -1,4 +1,5 @@
-"""AsyncEngine: one background thread steps the engine; each request is an async stream of deltas."""
+"""AsyncEngine: one background thread steps the engine; each request is an async stream of deltas. The same
+EngineClient contract (engine_client.py) as ProcessEngine, which the replica uses by default."""
 from __future__ import annotations
 
 import asyncio
@@ -6,99 +7,25 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
-from conveyor.serving.outputs import EngineStepStats, RequestOutput, merge_outputs
+from conveyor.serving.engine_client import EngineLoad, RequestStream, post_all
+from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    held_error: BaseException | None = None  # met while coalescing: raised after what came before it
-    # stream_interval's outputs not yet posted, and whether the first one left (only the posting thread reads them)
-    unposted: list[RequestOutput] = field(default_factory=list)
-    first_posted: bool = False
-
-    def through_interval(self, output: RequestOutput, interval: int) -> RequestOutput | None:
-        """vLLM's stream_interval: what to post of this output, or None to hold it. Outputs leave once `interval`
-        tokens have gathered, merged into one; the first (time to first token) and the finished one at once."""
-        if interval == 1:
-            return output
-        self.unposted.append(output)
-        if (self.first_posted and not output.finished
-                and sum(len(o.delta_token_ids) for o in self.unposted) < interval):
-            return None
-        held, self.unposted, self.first_posted = self.unposted, [], True
-        return merge_outputs(held) if len(held) > 1 else held[0]
-
-    def post(self, item: RequestOutput | BaseException) -> None:
-        """Hand an output (or the request's failure) to the stream's event loop; callable from any thread."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    async def outputs(self, coalesce: bool = False) -> AsyncIterator[RequestOutput]:
-        """What the engine posts for one request, up to its finished output; a posted exception is raised.
-
-        coalesce: outputs already waiting when the consumer asks are merged into one (never waiting for
-        more), so a consumer that fell behind catches up in one record instead of one per token.
-        """
-        while True:
-            if self.held_error is not None:
-                raise self.held_error
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if coalesce:
-                item = self._take_waiting(item)
-            yield item
-            if item.finished:
-                return
-
-    def _take_waiting(self, item: RequestOutput) -> RequestOutput:
-        waiting: list[RequestOutput] = []
-        while not item.finished and not (waiting and waiting[-1].finished) and not self.queue.empty():
-            later = self.queue.get_nowait()
-            if isinstance(later, BaseException):
-                self.held_error = later
-                break
-            waiting.append(later)
-        return merge_outputs([item, *waiting]) if waiting else item
-
-
-def post_all(pairs: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-    """Hand one step's outputs to their streams with one wake-up per event loop, not one per output."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-    for stream, item in pairs:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot for routing and autoscaling; read without locks, so it may be one step stale."""
-
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
+_Stream = RequestStream  # the old private name, for tests that build streams directly
+__all__ = ["AsyncEngine", "EngineLoad", "RequestStream", "_Stream", "post_all"]
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         """engine: a built engine, or a factory that the engine thread calls to build it (see from_config)."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
         self._stopped = threading.Event()
         self._built = threading.Event()
@@ -164,14 +91,14 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        coalesce: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Closing the iterator early (client gone) aborts the request.
-        coalesce: outputs that queued up while the consumer was busy come as one (_Stream.outputs).
+        coalesce: outputs that queued up while the consumer was busy come as one (RequestStream.outputs).
 
         Raises ValueError for bad input and QueueFullError when the waiting queue is at its bound, both
         before the first output, so a server can still answer with a status code.
         """
         request = self.engine.make_request(prompt, params, request_id)
         self._check_queue_room()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         finished = False

@@ -191,15 +191,18 @@ class LLMEngine:
         return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_id=self.eos_token_id,
                        max_tokens=max_tokens)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request made by make_request; raises QueueFullError past the waiting bound."""
+    def add_request(self, request: Request, *, process_outputs: bool = True) -> None:
+        """Queue a request made by make_request; raises QueueFullError past the waiting bound. process_outputs=False:
+        another process turns this engine's core outputs into text (engine_core_loop.py), so nothing is registered
+        in this engine's output processor, which never runs there and would keep every request's prompt."""
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         structured = request.sampling_params.structured
         if structured is not None and request.grammar is None:
             request.grammar = self.grammar_compiler().submit(structured)
         self.scheduler.add_request(request)
-        self.output_processor.add(request.request_id, request.prompt_token_ids, request.sampling_params)
+        if process_outputs:
+            self.output_processor.add(request.request_id, request.prompt_token_ids, request.sampling_params)
 
     def grammar_compiler(self) -> grammar.GrammarCompiler:
         if self.grammars is None:
@@ -210,6 +213,18 @@ class LLMEngine:
     def abort_requests(self, request_ids: list[str]) -> None:
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self.output_processor.remove(request.request_id)
+
+    def release_finished(self) -> None:
+        """On an idle engine: the model runner frees the rows, generators and last tokens of requests that ended
+        at the start of its next step, which an idle engine never takes. An empty step carries their ids there
+        now, so an engine at rest holds no per-request state."""
+        if self.has_unfinished():
+            return
+        sched = self.scheduler.schedule()  # nothing to schedule: only the ended requests' ids
+        if self._pipeline is not None:
+            self._pipeline.call(functools.partial(self.runner.execute, sched))
+        else:
+            self.runner.execute(sched)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pipeline is not None and self._pipeline.in_flight)

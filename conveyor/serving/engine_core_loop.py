@@ -1,7 +1,10 @@
 """The child side of ProcessEngine (conveyor/serving/engine_process.py): build the engine, then step it and apply the
-parent's commands until the pipe closes. Runs in a spawned process; nothing here is shared with the parent."""
+parent's messages (engine_messages.py) until the pipe closes. Runs in a spawned process; nothing here is shared with
+the parent. A request leaves no state here once it ends: the core registers nothing for output processing (the parent
+does that), and an engine that goes idle hands its model runner the ids of the requests that just ended."""
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
@@ -10,6 +13,20 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.engine_messages import (
+    Abort,
+    Add,
+    BuildError,
+    CoreLoad,
+    LoadReport,
+    Query,
+    Ready,
+    Reject,
+    Reply,
+    Stall,
+    Start,
+    Step,
+)
 from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
 
@@ -25,11 +42,11 @@ def main() -> None:
     leave_batch_policy()
     set_engine_priority(engine_niceness_setting())
     try:
-        kind, config, torch_num_threads = conn.recv()
+        start = conn.recv()
     except EOFError:
         return
-    if kind == "start":
-        run_engine_core(conn, config, torch_num_threads)
+    if isinstance(start, Start):
+        run_engine_core(conn, start.config, start.torch_num_threads)
 
 
 def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: int | None) -> None:
@@ -37,15 +54,15 @@ def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: i
     try:
         engine = _build(config, torch_num_threads)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it in the replica
-        conn.send(("build_error", traceback.format_exc()))
+        conn.send(BuildError(traceback.format_exc()))
         return
     # Structured outputs need the tokenizer's byte-level view (~1 s of CPU for a 49k vocabulary): build it now, in
     # the compile pool, while the engine is idle, not when the first constrained request arrives at a busy engine
     # (a constrained half of a saturated batch then joined ~4 s late: 0.88x throughput, benchmarks/structured.py).
     engine.grammar_compiler()
     core = _Core(engine, conn)
-    conn.send(("ready", core.info()))
-    conn.send(("load", core.load()))
+    conn.send(Ready(core.info()))
+    conn.send(LoadReport(core.load()))
     try:
         core.run()
     except (EOFError, OSError, BrokenPipeError):
@@ -62,11 +79,25 @@ def _build(config: EngineConfig, torch_num_threads: int | None):  # noqa: ANN202
     return LLMEngine(config)
 
 
+def per_request_state(engine: Any) -> dict[str, int]:
+    """The size of every per-request map of an engine core: all 0 once no request is in flight and the engine has
+    gone idle (the 10,000-request test and soak checks read this through a Query)."""
+    kv, runner, scheduler, processor = engine.kv_cache, engine.runner, engine.scheduler, engine.output_processor
+    return {"scheduler.requests": len(scheduler.requests), "scheduler.waiting": len(scheduler.waiting),
+            "scheduler.running": len(scheduler.running), "scheduler.finished_ids": len(scheduler._finished_ids),
+            "kv.block_tables": len(kv.block_tables), "kv.block_ids": len(kv._block_ids),
+            "kv.num_registered": len(kv._num_registered), "kv.hashes": len(kv._hashes),
+            "runner.generators": len(runner._generators), "runner.last_sampled": len(runner.last_sampled),
+            "runner.rows": len(runner.input_batch.rows),
+            **{f"output_processor.{name}": size for name, size in processor.sizes().items()}}
+
+
 class _Core:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.num_adds_applied = 0
+        self.handlers = {Add: self._add, Abort: self._abort, Query: self._query, Stall: self._stall}
 
     def info(self) -> dict[str, Any]:
         from conveyor.serving.openmp_runtime import loaded_openmp_runtime
@@ -74,23 +105,33 @@ class _Core:
         return {"openmp_runtime": loaded_openmp_runtime(),
                 "max_model_len": self.engine.max_model_len, "max_tokens_ever": self.engine.kv_cache.max_tokens_ever()}
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> CoreLoad:
         scheduler = self.engine.scheduler
-        return {"num_waiting": scheduler.num_waiting, "num_running": scheduler.num_running,
-                "kv_cache_usage": self.engine.kv_cache.usage,
-                "max_queued_requests": scheduler.max_queued_requests(),
-                "expected_wait_s": scheduler.expected_queue_wait_s(),
-                "num_adds_applied": self.num_adds_applied}
+        return CoreLoad(scheduler.num_waiting, scheduler.num_running, self.engine.kv_cache.usage,
+                        scheduler.max_queued_requests(), scheduler.expected_queue_wait_s(), self.num_adds_applied)
 
     def run(self) -> None:
+        worked = False  # stepped or applied a message since the engine last went idle
         while True:
-            busy = self.engine.has_unfinished()
-            if busy or self.conn.poll(IDLE_POLL_S):
-                applied = self._drain()
-                if self.engine.has_unfinished():
-                    self._step()
-                elif applied:  # nothing to step (aborts, refusals): the parent's view must still move on
-                    self.conn.send(("load", self.load()))
+            if not self.engine.has_unfinished():
+                if worked:  # just gone idle: nothing of the requests that ended may stay behind
+                    self._release_finished()
+                    worked = False
+                if not self.conn.poll(IDLE_POLL_S):
+                    continue
+            applied = self._drain()
+            if self.engine.has_unfinished():
+                self._step()
+                worked = True
+            elif applied:  # nothing to step (aborts, refusals): the parent's view must still move on
+                self.conn.send(LoadReport(self.load()))
+                worked = True
+
+    def _release_finished(self) -> None:
+        try:
+            self.engine.release_finished()
+        except Exception:  # noqa: BLE001 - bookkeeping of ended requests: the next step releases them anyway
+            logger.exception("releasing ended requests failed")
 
     def _step(self) -> None:
         try:
@@ -100,10 +141,10 @@ class _Core:
             live = list(self.engine.scheduler.requests)
             self.engine.abort_requests(live)
             for request_id in live:
-                self.conn.send(("reject", request_id, "engine_error", f"engine step failed: {exc}", 0.0))
-            self.conn.send(("load", self.load()))
+                self.conn.send(Reject(request_id, "engine_error", f"engine step failed: {exc}"))
+            self.conn.send(LoadReport(self.load()))
             return
-        self.conn.send(("step", outputs, stats, self.load()))
+        self.conn.send(Step(outputs, stats, self.load()))
 
     def _drain(self) -> int:
         applied = 0
@@ -112,35 +153,72 @@ class _Core:
             applied += 1
         return applied
 
-    def _apply(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "add":
-            self._add(*message[1:])
-        elif kind == "abort":
-            self.engine.abort_requests([message[1]])
-        elif kind == "query":
-            self.conn.send(("reply", message[1], self._answer(message[2])))
-        elif kind == "stall":  # a test hook (drills): the step loop stops for this long, as a wedged engine
-            logger.warning("engine loop stalled for %.1f s on request (test hook)", message[1])
-            time.sleep(message[1])
+    def _apply(self, message: Any) -> None:
+        """One message; an exception while handling it fails that message's request only, never the process."""
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            logger.error("engine process got an unknown message %r: ignored", type(message).__name__)
+            return
+        try:
+            handler(message)
+        except (EOFError, OSError):
+            raise  # the pipe itself: the parent is gone
+        except Exception as exc:  # noqa: BLE001 - one bad message must not end every request of the replica
+            logger.exception("engine process failed on a %s message", type(message).__name__)
+            request_id = getattr(message, "request_id", None)
+            if request_id is not None:
+                self._fail_request(request_id, exc)
+            elif isinstance(message, Query):
+                self.conn.send(Reply(message.query_id, None))
 
-    def _add(self, request_id: str, prompt: Any, params: Any) -> None:
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        try:
+            self.engine.abort_requests([request_id])
+        except Exception:  # noqa: BLE001 - the request may be half-added; what it holds is logged, not fatal
+            logger.exception("aborting %s after a failure failed", request_id)
+        self.conn.send(Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
+
+    def _add(self, message: Add) -> None:
         self.num_adds_applied += 1
         try:
             # The parent validated any structured-output constraint; a grammar that still fails to compile ends
             # its request with finish_reason "error".
-            self.engine.add_request(self.engine.make_request(prompt, params, request_id, validate_grammar=False))
+            request = self.engine.make_request(message.prompt_token_ids, message.params, message.request_id,
+                                               validate_grammar=False)
+            self.engine.add_request(request, process_outputs=False)
         except QueueFullError as exc:
-            self.conn.send(("reject", request_id, exc.reason, str(exc), exc.retry_after_s))
+            self.conn.send(Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:
-            self.conn.send(("reject", request_id, "invalid_request", str(exc), 0.0))
+            self.conn.send(Reject(message.request_id, "invalid_request", str(exc)))
+
+    def _abort(self, message: Abort) -> None:
+        self.engine.abort_requests([message.request_id])
+
+    def _query(self, message: Query) -> None:
+        self.conn.send(Reply(message.query_id, self._answer(message.name)))
+
+    def _stall(self, message: Stall) -> None:
+        logger.warning("engine loop stalled for %.1f s on request (test hook)", message.seconds)
+        time.sleep(message.seconds)
 
     def _answer(self, name: str) -> Any:
         if name == "block_state":
             kv = self.engine.kv_cache
             return {"num_block_tables": len(kv.block_tables), "num_free_blocks": kv.num_free_blocks,
                     "num_blocks": kv.num_blocks}
+        if name == "request_state":
+            return per_request_state(self.engine)
+        if name == "python_heap":  # live Python allocations (after a collection): what any kept record shows in
+            gc.collect()
+            return sys.getallocatedblocks()
+        if name == "fail_next_add":  # a test hook: the next Add raises inside the engine, as a bug there would
+            self.handlers[Add] = self._add_that_raises
+            return True
         return None
+
+    def _add_that_raises(self, message: Add) -> None:
+        self.handlers[Add] = self._add
+        raise RuntimeError("injected failure (test hook)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,9 @@ tiny model's steps (mostly Python) took 6 ms instead of 3. A child process steps
 vLLM's EngineCore does. The parent keeps the streams, the admission check (from the child's last load report)
 and the step listeners (metrics); the child owns the model, the scheduler and the KV cache.
 
-Wire protocol (one socket pair wrapped in multiprocessing Connections, pickled tuples):
-  parent -> child  ("start", config, torch_num_threads), then
-                   ("add", request_id, prompt, params) | ("abort", request_id) | ("query", query_id, name)
-  child -> parent  ("ready", info) | ("build_error", text) | ("step", core_outputs, stats, load)
-                   | ("load", load) | ("reject", request_id, kind, message, retry_after_s) | ("reply", id, value)
+Wire protocol: one socket pair wrapped in multiprocessing Connections, carrying the pickled records of
+engine_messages.py (parent -> child: Start, then Add | Abort | Query | Stall; child -> parent: Ready | BuildError,
+then Step | LoadReport | Reject | Reply).
 The child steps the engine core only (CoreOutputs: token ids). The parent tokenizes prompts and turns token ids
 into text (output_processor.py) while the child computes the next step: neither is on the step's critical path.
 A stop string is found here, so the parent aborts that request in the child, which may have computed one more
@@ -32,10 +30,11 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conveyor.serving import engine_messages as msg
 from conveyor.serving import grammar
-from conveyor.serving.async_engine import EngineLoad, _Stream, post_all
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
+from conveyor.serving.engine_client import EngineLoad, RequestStream, post_all
 from conveyor.serving.openmp_runtime import child_openmp_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
@@ -96,9 +95,9 @@ class ProcessEngine:
             pass_fds=[theirs.fileno()], env=engine_child_env(os.environ))
         theirs.close()  # only the child holds its end: it reads EOF when this process dies, and exits
         self._conn = Connection(ours.detach())
-        self._conn.send(("start", config, torch_num_threads))
+        self._conn.send(msg.Start(config, torch_num_threads))
         self._send_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
         self._replies: dict[int, Future] = {}
         self._query_ids = itertools.count()
@@ -106,8 +105,8 @@ class ProcessEngine:
         # Each counter has one writer (the event loop, the reader thread), so no lock is needed.
         self._num_adds_sent = 0
         self._num_adds_applied = 0
-        self._load: dict[str, Any] = {"num_waiting": 0, "num_running": 0, "kv_cache_usage": 0.0,
-                                      "max_queued_requests": 1, "expected_wait_s": 0.0}
+        self._load = msg.CoreLoad(0, 0, 0.0, 1, 0.0, 0)
+        self._stopped: Exception | None = None  # set by the reader when the child is gone: no stream may wait then
         # The parent tokenizes (chat templates, default max_tokens). Loading the tokenizer, transformers' import
         # included, takes 2-4 s on 2 cores: it runs while the child builds, not after it.
         tokenizer = _load_tokenizer_in_background(config.model.model)
@@ -128,13 +127,18 @@ class ProcessEngine:
             self._process.kill()
             raise RuntimeError(f"engine process did not start within {BUILD_TIMEOUT_S:.0f}s")
         try:
-            kind, payload = self._conn.recv()
+            reply = self._conn.recv()
         except EOFError:
             code = self._process.wait(timeout=10)
             raise RuntimeError(f"engine process died while starting (exit code {code})") from None
-        if kind != "ready":
-            raise RuntimeError(f"engine process failed to start:\n{payload}")
-        return payload
+        if not isinstance(reply, msg.Ready):
+            raise RuntimeError(f"engine process failed to start:\n{getattr(reply, 'text', reply)}")
+        # The child's first load report follows at once: read it here, so the first requests are checked against
+        # the real queue bound, not the placeholder's (which refused all but one of a burst at start).
+        first = self._conn.recv()
+        if isinstance(first, msg.LoadReport):
+            self._set_load(first.load)
+        return reply.info
 
     # ---- what the replica reads ----------------------------------------------------------------------
     @property
@@ -153,18 +157,24 @@ class ProcessEngine:
 
     def load(self) -> EngineLoad:
         load = self._load
-        return EngineLoad(load["num_waiting"], load["num_running"], load["kv_cache_usage"])
+        return EngineLoad(load.num_waiting, load.num_running, load.kv_cache_usage)
 
     def block_state(self) -> dict[str, int]:
         """The child's block accounting, asked now (not from the last report): for tests and soak checks."""
         return self._query("block_state")
+
+    def request_state(self) -> dict[str, int]:
+        """The size of every per-request map, the child's (asked now) and this side's: all 0 at rest."""
+        return self._query("request_state") | {
+            "client.streams": len(self._streams), "client.replies": len(self._replies),
+            **{f"client.{name}": size for name, size in self._processor.sizes().items()}}
 
     def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None:
         """fn runs on this process's reader thread after every step of the child: keep it cheap."""
         self._step_listeners.append(fn)
 
     def is_alive(self) -> bool:
-        return self._process.poll() is None and self._reader.is_alive()
+        return self._stopped is None and self._process.poll() is None and self._reader.is_alive()
 
     # ---- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -177,13 +187,16 @@ class ProcessEngine:
         prompt_token_ids = self.tokenize(prompt)
         if params.structured is not None:  # here, not in the child, whose loop is the step's (the library drops
             await asyncio.to_thread(grammar.validate, params.structured)  # the GIL while it checks a grammar)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        if self._stopped is not None:  # after the reader failed every stream: nobody would ever post to this one
+            self._streams.pop(request_id, None)
+            raise self._stopped
         self._processor.add(request_id, prompt_token_ids, params)
         self._num_adds_sent += 1
         finished = False
         try:
-            self._send(("add", request_id, prompt_token_ids, params))
+            self._send(msg.Add(request_id, prompt_token_ids, params))
             async for item in stream.outputs(coalesce):
                 finished = item.finished
                 yield item
@@ -199,11 +212,11 @@ class ProcessEngine:
 
     def stall_for_test(self, seconds: float) -> None:
         """Test hook (drills): the engine process stops stepping for `seconds`, as a wedged engine would."""
-        self._send(("stall", float(seconds)))
+        self._send(msg.Stall(float(seconds)))
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", request_id))
+            self._send(msg.Abort(request_id))
         except RuntimeError:
             pass  # no engine, nothing to abort
 
@@ -230,15 +243,15 @@ class ProcessEngine:
         """The child decides (and may still refuse); refusing here when it surely would saves it the work."""
         load = self._load
         num_unacked = self._num_adds_sent - self._num_adds_applied
-        if load["num_waiting"] + num_unacked >= load["max_queued_requests"]:
+        if load.num_waiting + num_unacked >= load.max_queued_requests:
             raise QueueFullError("waiting queue full")
         max_wait_s = self.config.scheduler.max_queue_wait_s
-        if max_wait_s is not None and num_unacked == 0 and load["expected_wait_s"] > max_wait_s:
-            wait_s = load["expected_wait_s"]
+        if max_wait_s is not None and num_unacked == 0 and load.expected_wait_s > max_wait_s:
+            wait_s = load.expected_wait_s
             raise QueueFullError(f"expected wait for a batch slot ({wait_s:.1f} s) exceeds max_queue_wait_s",
                                  retry_after_s=min(wait_s, 60.0))
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             try:
                 self._conn.send(message)
@@ -246,10 +259,12 @@ class ProcessEngine:
                 raise RuntimeError("engine process is not running") from exc
 
     def _query(self, name: str) -> Any:
+        if self._stopped is not None:
+            raise self._stopped
         query_id = next(self._query_ids)
         future: Future = Future()
         self._replies[query_id] = future
-        self._send(("query", query_id, name))
+        self._send(msg.Query(query_id, name))
         try:
             return future.result(QUERY_TIMEOUT_S)
         finally:
@@ -260,43 +275,56 @@ class ProcessEngine:
         try:
             while True:
                 message = self._conn.recv()
-                self._dispatch(message)
+                try:
+                    self._dispatch(message)
+                except Exception:  # noqa: BLE001 - one bad message (a listener's bug) must not stop every stream
+                    logger.exception("engine process reader failed on a %s message", type(message).__name__)
+                    self._fail_requests_of(message)
         except (EOFError, OSError):
             pass
-        except Exception:  # noqa: BLE001 - a bad message must not leave streams hanging: fail them below
+        except Exception:  # noqa: BLE001 - an unreadable message: fail the streams below rather than hang them
             logger.exception("engine process reader failed")
         code = self._process.poll()
-        self._fail_all(RuntimeError(f"engine process stopped (exit code {code})"))
+        self._stopped = RuntimeError(f"engine process stopped (exit code {code})")
+        self._fail_all(self._stopped)
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "step":
-            _, core_outputs, stats, load = message
-            self._set_load(load)
-            outputs, stopped = self._processor.process(core_outputs)
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, msg.Step):
+            self._set_load(message.load)
+            outputs, stopped = self._processor.process(message.outputs)
             for request_id in stopped:
                 self.abort(request_id)
             # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
             for listener in self._step_listeners:
-                listener(stats, outputs)
+                listener(message.stats, outputs)
             post_all([delivery for output in outputs if (delivery := self._delivery(output)) is not None])
-        elif kind == "load":
-            self._set_load(message[1])
-        elif kind == "reject":
-            _, request_id, error_kind, text, retry_after_s = message
-            exc = (QueueFullError(text, retry_after_s, error_kind) if error_kind in REFUSAL_REASONS else
-                   ValueError(text) if error_kind == "invalid_request" else RuntimeError(text))
-            self._post(request_id, exc)
-        elif kind == "reply":
-            future = self._replies.get(message[1])
+        elif isinstance(message, msg.LoadReport):
+            self._set_load(message.load)
+        elif isinstance(message, msg.Reject):
+            self._post(message.request_id, _rejection(message))
+        elif isinstance(message, msg.Reply):
+            future = self._replies.get(message.query_id)
             if future is not None:
-                future.set_result(message[2])
+                future.set_result(message.value)
+        else:
+            raise TypeError(f"unknown message from the engine process: {type(message).__name__}")
 
-    def _set_load(self, load: dict[str, Any]) -> None:
-        self._num_adds_applied = load["num_adds_applied"]
+    def _fail_requests_of(self, message: object) -> None:
+        """After a failure handling `message`: the requests it carried end with an error; others go on."""
+        exc = RuntimeError("engine client failed on this request's output")
+        if isinstance(message, msg.Step):
+            ids = set(message.outputs.request_ids)
+        else:
+            ids = {rid} if (rid := getattr(message, "request_id", None)) is not None else set()
+        for request_id in ids:
+            self._post(request_id, exc)
+            self.abort(request_id)
+
+    def _set_load(self, load: msg.CoreLoad) -> None:
+        self._num_adds_applied = load.num_adds_applied
         self._load = load
 
-    def _delivery(self, output: RequestOutput) -> tuple[_Stream, RequestOutput] | None:
+    def _delivery(self, output: RequestOutput) -> tuple[RequestStream, RequestOutput] | None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return None  # the consumer left; the abort is on its way
@@ -313,3 +341,9 @@ class ProcessEngine:
         for future in list(self._replies.values()):
             if not future.done():
                 future.set_exception(exc)
+
+
+def _rejection(reject: msg.Reject) -> Exception:
+    if reject.kind in REFUSAL_REASONS:
+        return QueueFullError(reject.message, reject.retry_after_s, reject.kind)
+    return ValueError(reject.message) if reject.kind == "invalid_request" else RuntimeError(reject.message)

@@ -62,6 +62,10 @@ class OutputProcessor:
         self._pending.pop(request_id, None)
         self._times.pop(request_id, None)
 
+    def sizes(self) -> dict[str, int]:
+        """Entries per map: all 0 when no request is in flight (the engine's request_state reads these)."""
+        return {"states": len(self._states), "pending": len(self._pending), "times": len(self._times)}
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states or request_id in self._pending
 

@@ -1,0 +1,125 @@
+"""The contract between the replica and an engine, whichever side of a process boundary the engine steps on:
+AsyncEngine (a thread of this process: LLM in process, tests) and ProcessEngine (a child process: the replica's
+default) both implement EngineClient, and both hand outputs to their consumers through RequestStream."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from conveyor.serving.outputs import EngineStepStats, RequestOutput, merge_outputs
+from conveyor.serving.request import SamplingParams
+
+
+@dataclass
+class RequestStream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    held_error: BaseException | None = None  # met while coalescing: raised after what came before it
+    # stream_interval's outputs not yet posted, and whether the first one left (only the posting thread reads them)
+    unposted: list[RequestOutput] = field(default_factory=list)
+    first_posted: bool = False
+
+    def through_interval(self, output: RequestOutput, interval: int) -> RequestOutput | None:
+        """vLLM's stream_interval: what to post of this output, or None to hold it. Outputs leave once `interval`
+        tokens have gathered, merged into one; the first (time to first token) and the finished one at once."""
+        if interval == 1:
+            return output
+        self.unposted.append(output)
+        if (self.first_posted and not output.finished
+                and sum(len(o.delta_token_ids) for o in self.unposted) < interval):
+            return None
+        held, self.unposted, self.first_posted = self.unposted, [], True
+        return merge_outputs(held) if len(held) > 1 else held[0]
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or the request's failure) to the stream's event loop; callable from any thread."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def outputs(self, coalesce: bool = False) -> AsyncIterator[RequestOutput]:
+        """What the engine posts for one request, up to its finished output; a posted exception is raised.
+
+        coalesce: outputs already waiting when the consumer asks are merged into one (never waiting for
+        more), so a consumer that fell behind catches up in one record instead of one per token.
+        """
+        while True:
+            if self.held_error is not None:
+                raise self.held_error
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if coalesce:
+                item = self._take_waiting(item)
+            yield item
+            if item.finished:
+                return
+
+    def _take_waiting(self, item: RequestOutput) -> RequestOutput:
+        waiting: list[RequestOutput] = []
+        while not item.finished and not (waiting and waiting[-1].finished) and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if isinstance(later, BaseException):
+                self.held_error = later
+                break
+            waiting.append(later)
+        return merge_outputs([item, *waiting]) if waiting else item
+
+
+def post_all(pairs: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Hand one step's outputs to their streams with one wake-up per event loop, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for stream, item in pairs:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot for routing and autoscaling; read without locks, so it may be one step stale."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
+class EngineClient(Protocol):
+    """What the replica (router/replica.py) may call on its engine."""
+
+    tokenizer: Any
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_tokens_ever(self) -> int: ...
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def block_state(self) -> dict[str, int]: ...
+
+    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 coalesce: bool = False) -> AsyncIterator[RequestOutput]:
+        """A request's outputs; ValueError (bad input) or QueueFullError (refused) before the first one; closing the
+        iterator early aborts the request; an engine that fails or dies raises RuntimeError into the stream."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def is_alive(self) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
