@@ -8,15 +8,18 @@ jitter, the ingress); the served sweep (benchmarks/goodput.py) is the measuremen
 
     .venv/bin/python -m benchmarks.slo_sim                                   # the issue-38 workload, 3 policies
     .venv/bin/python -m benchmarks.slo_sim --rates 1,2 --config fixed=tpot_slo_ms=none,ttft_slo_ms=none
+    .venv/bin/python -m benchmarks.slo_sim --table benchmarks/out/step_table.json   # this machine's steps
 """
 from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from conveyor.bench.workload import arrival_offsets, derive_seed, lognormal_lengths
 from conveyor.serving.config import SchedulerConfig
@@ -46,10 +49,23 @@ def _interp(knots: tuple[int, ...], values: list[float], x: float) -> float:
     return values[i] + (values[i + 1] - values[i]) * (x - x0) / (x1 - x0)
 
 
-def step_seconds(num_decodes: int, num_prefill: int) -> float:
-    """The table's step time, interpolated in C for every row of B, then in B."""
-    by_decodes = [_interp(PREFILL_KNOTS, list(row), num_prefill) for row in STEP_MS]
-    return _interp(DECODE_KNOTS, by_decodes, max(num_decodes, 1)) / 1000
+@dataclass(frozen=True)
+class StepTable:
+    decode_knots: tuple[int, ...] = DECODE_KNOTS
+    prefill_knots: tuple[int, ...] = PREFILL_KNOTS
+    step_ms: tuple[tuple[float, ...], ...] = STEP_MS
+
+    @classmethod
+    def load(cls, path: str) -> StepTable:
+        """A table that benchmarks/step_table.py wrote (this machine's, measured alone)."""
+        data = json.loads(Path(path).read_text())
+        return cls(tuple(data["decode_knots"]), tuple(data["prefill_knots"]),
+                   tuple(tuple(row) for row in data["step_ms"]))
+
+    def step_seconds(self, num_decodes: int, num_prefill: int) -> float:
+        """The table's step time, interpolated in C for every row of B, then in B."""
+        by_decodes = [_interp(self.prefill_knots, list(row), num_prefill) for row in self.step_ms]
+        return _interp(self.decode_knots, by_decodes, max(num_decodes, 1)) / 1000
 
 
 @dataclass
@@ -68,7 +84,7 @@ class Outcome:
         return ttft <= ttft_s and tpot <= tpot_s
 
 
-def simulate(config: SchedulerConfig, lengths: list[tuple[int, int]], offsets: list[float],
+def simulate(config: SchedulerConfig, lengths: list[tuple[int, int]], offsets: list[float], table: StepTable,
              seed: int = 0) -> list[Outcome]:
     kv = KVCacheManager(num_blocks=8192, block_size=16, enable_prefix_caching=True)
     scheduler = Scheduler(config, kv, max_model_len=8192)
@@ -92,13 +108,14 @@ def simulate(config: SchedulerConfig, lengths: list[tuple[int, int]], offsets: l
         if not scheduler.has_unfinished():
             now[0] = pending[0][1][0]
             continue
-        _run_step(scheduler, scheduler.schedule(), now, by_id)
+        _run_step(scheduler, scheduler.schedule(), now, by_id, table)
     return outcomes
 
 
-def _run_step(scheduler: Scheduler, sched: SchedulerOutput, now: list[float], by_id: dict[str, Outcome]) -> None:
+def _run_step(scheduler: Scheduler, sched: SchedulerOutput, now: list[float], by_id: dict[str, Outcome],
+              table: StepTable) -> None:
     num_decodes = sum(1 for c in sched.chunks if c.num_tokens == 1)
-    seconds = step_seconds(num_decodes, sched.num_scheduled_tokens - num_decodes) if sched.chunks else 1e-3
+    seconds = table.step_seconds(num_decodes, sched.num_scheduled_tokens - num_decodes) if sched.chunks else 1e-3
     now[0] += seconds
     scheduler.observe_step(sched, seconds)
     sampled = {c.request.request_id: 1 + c.end % 97 for c in sched.chunks if c.samples}
@@ -161,7 +178,9 @@ def main() -> None:
     parser.add_argument("--ttft-s", type=float, default=2.0)
     parser.add_argument("--tpot-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--table", default=None, help="a step_table.py JSON (default: the table in this file)")
     args = parser.parse_args()
+    table = StepTable.load(args.table) if args.table else StepTable()
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     print("| config | rate | attainment | of admitted | refused | goodput | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -170,7 +189,7 @@ def main() -> None:
         offsets = arrival_offsets(args.num_prompts, rate, seed=derive_seed(args.seed, rate, "arrivals"))
         for name, overrides in configs:
             config = SchedulerConfig(**(BASE_CONFIG | overrides))
-            outcomes = simulate(config, lengths, offsets, args.seed)
+            outcomes = simulate(config, lengths, offsets, table, args.seed)
             print(report(name, rate, outcomes, args.warmup_s, args.ttft_s, args.tpot_ms / 1000), flush=True)
 
 
