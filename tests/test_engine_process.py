@@ -14,6 +14,7 @@ import pytest
 from conveyor.serving import AsyncEngine, EngineConfig, SamplingParams
 from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine import LLMEngine
+from conveyor.serving.engine_client import EngineDeadError
 from conveyor.serving.engine_process import ProcessEngine
 from conveyor.serving.scheduler import QueueFullError
 
@@ -172,12 +173,15 @@ def test_an_exception_on_one_message_fails_that_request_only(engine):
 
 def test_no_stream_waits_on_a_dead_engine_process(tiny_model_dir):
     engine = ProcessEngine.from_config(_config(tiny_model_dir), 1)
+    exits = []
+    engine.on_exit = lambda: exits.append(engine.is_alive())  # the replica restarts its engine from this hook
     try:
         engine._process.kill()  # noqa: SLF001
         assert _wait_for(lambda: not engine.is_alive())
+        assert exits == [False]
 
         async def late():
-            with pytest.raises(RuntimeError, match="engine process"):
+            with pytest.raises(EngineDeadError, match="engine process"):
                 await _collect(engine, "The quick")
 
         asyncio.run(asyncio.wait_for(late(), 5))

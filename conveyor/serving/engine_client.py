@@ -89,6 +89,12 @@ class EngineLoad:
     kv_cache_usage: float
 
 
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (killed, out of memory): raised into every live stream and every later
+    generate. A request that has had no output yet can be served again elsewhere (router/replica.py hands it back)."""
+
+
+
 class EngineClient(Protocol):
     """What the replica (router/replica.py) may call on its engine."""
 

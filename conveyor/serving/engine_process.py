@@ -34,7 +34,7 @@ from conveyor.serving import engine_messages as msg
 from conveyor.serving import grammar
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
-from conveyor.serving.engine_client import EngineLoad, RequestStream, post_all
+from conveyor.serving.engine_client import EngineDeadError, EngineLoad, RequestStream, post_all
 from conveyor.serving.openmp_runtime import child_openmp_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
@@ -107,6 +107,10 @@ class ProcessEngine:
         self._num_adds_applied = 0
         self._load = msg.CoreLoad(0, 0, 0.0, 1, 0.0, 0)
         self._stopped: Exception | None = None  # set by the reader when the child is gone: no stream may wait then
+        self._shutting_down = False
+        # Called on the reader thread once the child has died (not at shutdown), after every stream has failed:
+        # the replica restarts its engine from here.
+        self.on_exit: Callable[[], None] | None = None
         # The parent tokenizes (chat templates, default max_tokens). Loading the tokenizer, transformers' import
         # included, takes 2-4 s on 2 cores: it runs while the child builds, not after it.
         tokenizer = _load_tokenizer_in_background(config.model.model)
@@ -221,6 +225,7 @@ class ProcessEngine:
             pass  # no engine, nothing to abort
 
     def shutdown(self) -> None:
+        self._shutting_down = True
         # shutdown(), not just close(): our reader thread sits in recv() on this socket, and a close() does not
         # end that call, so the socket stayed open, the child never read EOF and the wait below ran out (10 s
         # for every replica that stopped).
@@ -256,7 +261,7 @@ class ProcessEngine:
             try:
                 self._conn.send(message)
             except (OSError, EOFError, ValueError) as exc:  # child gone: the reader fails the streams
-                raise RuntimeError("engine process is not running") from exc
+                raise EngineDeadError("engine process is not running") from exc
 
     def _query(self, name: str) -> Any:
         if self._stopped is not None:
@@ -285,8 +290,13 @@ class ProcessEngine:
         except Exception:  # noqa: BLE001 - an unreadable message: fail the streams below rather than hang them
             logger.exception("engine process reader failed")
         code = self._process.poll()
-        self._stopped = RuntimeError(f"engine process stopped (exit code {code})")
+        self._stopped = EngineDeadError(f"engine process stopped (exit code {code})")
         self._fail_all(self._stopped)
+        if self.on_exit is not None and not self._shutting_down:
+            try:
+                self.on_exit()
+            except Exception:  # noqa: BLE001 - the owner's hook; the streams are failed already
+                logger.exception("engine exit hook failed")
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, msg.Step):
