@@ -1,4 +1,5 @@
-"""The engine deployment: one AsyncEngine per Serve replica, streamed through a DeploymentHandle.
+"""The engine deployment: one engine (EngineClient: ProcessEngine, or AsyncEngine) per Serve replica, streamed
+through a DeploymentHandle. A dead engine process is restarted in place; what it had not started is handed back.
 
 The request crossing the handle is a small dict (see `make_request`); what comes back is one small dict per
 engine delta. Errors that belong to the client (bad input, full queue) come back as a single typed record
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -17,9 +20,10 @@ from typing import Any
 
 from ray import serve
 
-from conveyor.router.drain import ROUTE_KEY
+from conveyor.router.drain import HAND_BACK, ROUTE_KEY
 from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY, MuxHub, StreamMux
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.engine_client import EngineDeadError
 from conveyor.serving.outputs import RequestOutput, SampledToken, merge_outputs
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
@@ -102,13 +106,11 @@ class EngineReplica:
         from conveyor.serving.metrics import EngineMetrics
 
         self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
-        self.engine.add_step_listener(self.metrics.observe_step)
         # Liveness of the engine itself: a step completed recently, or nothing to do (see check_health).
         self._stall_timeout_s = engine_stall_timeout_s
         self._last_progress = time.monotonic()
-        self.engine.add_step_listener(self._on_step)
         self._test_hooks = test_hooks
-        self.metrics.bind_load(self.engine.load)
+        self._attach_engine(self.engine)
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
         self._muxes = MuxHub()
         self._num_batches = self._num_muxed_records = 0  # evidence for tests: records per subscription message
@@ -124,9 +126,44 @@ class EngineReplica:
         from conveyor.serving.models.loader import generation_defaults, resolve_model_path
 
         self.config = engine_config
-        self.engine = engine_cls.from_config(engine_config, torch_num_threads)
+        self._engine_factory = functools.partial(engine_cls.from_config, engine_config, torch_num_threads)
+        self._restarting = False
+        self._num_engine_restarts = 0
+        self.engine = self._engine_factory()
         self._tokenizer = self.engine.tokenizer
         self._generation_defaults = generation_defaults(resolve_model_path(engine_config.model.model))
+
+    def _attach_engine(self, engine: Any) -> None:
+        engine.add_step_listener(self.metrics.observe_step)
+        engine.add_step_listener(self._on_step)
+        self.metrics.bind_load(engine.load)
+        if hasattr(engine, "on_exit"):  # ProcessEngine: its child can die under us
+            engine.on_exit = self._on_engine_exit
+
+    def _on_engine_exit(self) -> None:
+        """The engine process died (kill -9, OOM); its streams have failed already. Start a new one beside: the
+        replica is unhealthy and hands back whatever arrives until it is up (seconds), so it is back well within
+        Serve's replacement of the whole replica."""
+        if self._restarting:
+            return
+        self._restarting = True
+        logger.error("engine process of replica %s died; restarting it", self._replica_id)
+        threading.Thread(target=self._restart_engine, name="conveyor-engine-restart", daemon=True).start()
+
+    def _restart_engine(self) -> None:
+        old = self.engine
+        try:
+            old.shutdown()
+            engine = self._engine_factory()
+        except Exception:  # noqa: BLE001 - the health check keeps failing: Serve replaces the replica
+            logger.exception("engine restart failed on replica %s", self._replica_id)
+            return
+        self._attach_engine(engine)
+        self.engine = engine
+        self._last_progress = time.monotonic()
+        self._num_engine_restarts += 1
+        self._restarting = False
+        logger.warning("engine process of replica %s restarted", self._replica_id)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -140,6 +177,9 @@ class EngineReplica:
                 raise ValueError("the request ended before its first token: its structured-output constraint "
                                  "could not be compiled for this model, or its settings left no token to sample "
                                  "(see the replica log)")
+        except EngineDeadError as exc:  # nothing sent yet: the ingress sends it to another replica (streams.py)
+            yield {"error": HAND_BACK, "message": str(exc)}
+            return
         except QueueFullError as exc:
             self.metrics.observe_rejected(exc.reason)
             yield {"error": "queue_full", "message": str(exc), "retry_after_s": exc.retry_after_s}
@@ -278,6 +318,10 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         load = self.engine.load()
         sched = self.config.scheduler
+        if not self.engine.is_alive():  # a saturated replica to the router: new traffic goes elsewhere
+            return {"num_waiting": sched.max_waiting_requests, "num_running": sched.max_num_seqs,
+                    "kv_cache_usage": 1.0, "max_num_seqs": sched.max_num_seqs,
+                    "max_waiting_requests": sched.max_waiting_requests}
         return {"num_waiting": load.num_waiting, "num_running": load.num_running,
                 "kv_cache_usage": load.kv_cache_usage, "max_num_seqs": sched.max_num_seqs,
                 "max_waiting_requests": sched.max_waiting_requests}
@@ -293,7 +337,7 @@ class EngineReplica:
         A dead engine process fails it, and so does a live one that has work but completed no step for
         engine_stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it forever)."""
         if not self.engine.is_alive():
-            raise RuntimeError("engine is not running")
+            raise RuntimeError("engine is restarting" if self._restarting else "engine is not running")
         stalled_s = self._stalled_s()
         if stalled_s > self._stall_timeout_s:
             raise RuntimeError(f"engine made no progress for {stalled_s:.0f} s with work queued "
@@ -326,6 +370,7 @@ class EngineReplica:
         load = self.engine.load()
         return self.engine.block_state() | {"num_waiting": load.num_waiting, "num_running": load.num_running,
                                             "num_aborted": self._num_aborted, "num_batches": self._num_batches,
+                                            "num_engine_restarts": self._num_engine_restarts,
                                             "num_muxed_records": self._num_muxed_records,
                                             "num_subscriptions": self._muxes.num_open,
                                             "num_subscriptions_cancelled": self._num_subscriptions_cancelled,

@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.responses import StreamingResponse
 
 from conveyor.router.demux import SUBSCRIPTION_ENDED, Demux
-from conveyor.router.drain import DEPARTURES, ROUTE_KEY
+from conveyor.router.drain import DEPARTURES, HAND_BACK, ROUTE_KEY
 from conveyor.router.errors import ApiError
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
 from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY
@@ -27,6 +27,7 @@ MAX_ATTEMPTS = 2
 MAX_HAND_BACKS = 3  # a request is sent again when its replica drains before it starts: bounded, not forever
 
 
+ENGINE_GONE_BACKOFF_S = 0.3  # see HandedBack
 # A record that the own stream ended: after it, the muxed records still due get this long to arrive.
 MUXED_TAIL_TIMEOUT_S = 10.0
 
@@ -117,14 +118,16 @@ async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_t
                 await _wait_assigned(gen, wait_timeout_s)
                 first = await _first_record(gen, replica_left)
                 started = True
-            except HandedBack:
+            except HandedBack as exc:
                 gen.cancel()  # the draining replica aborts it in its engine
                 num_handed_back += 1
                 if num_handed_back > MAX_HAND_BACKS:
                     raise ApiError.unavailable("replicas kept leaving before the request started") from None
-                logger.info("request %s handed back by a draining replica; sending it elsewhere", key)
+                logger.info("request %s handed back (%s); sending it elsewhere", key, exc)
                 if on_hand_back is not None:
                     on_hand_back()
+                if exc.backoff_s:
+                    await asyncio.sleep(exc.backoff_s * num_handed_back)
                 continue
             except RETRYABLE as exc:
                 gen.cancel()
@@ -154,12 +157,20 @@ async def start_stream(handle: DeploymentHandle, request: dict[str, Any], wait_t
 
 
 class HandedBack(Exception):
-    """The replica holding the request left the routing set (it drains) before the request started."""
+    """The replica holding the request left the routing set (it drains), or its engine process died, before the
+    request started. backoff_s: wait this long (times the attempt) before sending it again: a replica whose engine
+    died stays in the routing set until Serve's next stats poll shows it saturated, so an immediate retry could
+    meet it again."""
+
+    def __init__(self, reason: str, backoff_s: float = 0.0) -> None:
+        super().__init__(reason)
+        self.backoff_s = backoff_s
 
 
 async def _first_record(gen: DeploymentResponseGenerator, replica_left: asyncio.Event) -> dict[str, Any]:
-    """The stream's first record, or HandedBack if its replica leaves first. A record that arrives together
-    with the departure wins: the request has started and the drain lets it finish."""
+    """The stream's first record, or HandedBack if its replica leaves first or answers with a hand-back record
+    (its engine died). A record that arrives together with the departure wins: the request has started and the
+    drain lets it finish."""
     first = asyncio.ensure_future(gen.__anext__())
     left = asyncio.ensure_future(replica_left.wait())
     try:
@@ -169,8 +180,11 @@ async def _first_record(gen: DeploymentResponseGenerator, replica_left: asyncio.
         if not first.done():
             first.cancel()
     if first.done() and not first.cancelled():
-        return first.result()
-    raise HandedBack
+        record = first.result()
+        if record.get("error") != HAND_BACK:
+            return record
+        raise HandedBack(record.get("message", "engine gone"), backoff_s=ENGINE_GONE_BACKOFF_S)
+    raise HandedBack("replica left the routing set")
 
 
 def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:
