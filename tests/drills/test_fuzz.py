@@ -361,3 +361,30 @@ def test_a_request_past_the_timeout_ends_and_its_engine_work_is_aborted(base_url
     assert state["num_block_tables"] == 0
     ok = httpx.post(base_url + "/v1/completions", json={"prompt": "still alive", "max_tokens": 4}, timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+
+def test_a_stream_past_the_timeout_ends_with_one_error_event(serve_cluster: str, tiny_model_dir) -> None:
+    """Mid-stream, the deadline ends the stream with one SSE error event and [DONE] (its status line is long gone),
+    and its engine request is aborted. Its own app: a 500-token stream outlasts the call that stalls the engine
+    after the first chunk (the drill app's 64-token context does not)."""
+    app = APP + "-timeout"
+    args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_kv_blocks": 64, "max_num_seqs": 4,
+            "torch_num_threads": 1, "request_router_class": None, "request_timeout_s": 2.0, "test_hooks": True}
+    body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with deploy(args, app, "/drill-fuzz-timeout"):
+        start, lines = time.monotonic(), []
+        with httpx.stream("POST", serve_cluster + "/drill-fuzz-timeout/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not lines:
+                    engine_handle(app).stall_engine_for_test.remote(6).result(timeout_s=10)
+                if line:
+                    lines.append(line)
+        elapsed = time.monotonic() - start
+        assert lines[-1] == "data: [DONE]" and 1.5 <= elapsed <= 5, (elapsed, lines[-3:])
+        errors = [json.loads(line[6:])["error"] for line in lines if line.startswith('data: {"error"')]
+        assert [e["code"] for e in errors] == ["request_timeout"] and lines[-2].startswith('data: {"error"')
+        state = wait_until(lambda: (s := engine_state(app))["num_waiting"] + s["num_running"] == 0 and s, 20,
+                           "the timed-out stream aborted")
+        assert state["num_block_tables"] == 0 and state["num_aborted"] == 1, state
