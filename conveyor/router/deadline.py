@@ -27,17 +27,15 @@ async def with_deadline(body: AsyncIterator[bytes], deadline: float | None, time
     """`body`'s chunks until the loop's clock passes `deadline` (None: no deadline); then the engine work is
     cancelled and the stream ends with an error event. The timer cancels whatever this generator awaits (the next
     record), which asyncio.timeout_at turns into TimeoutError here."""
-    if deadline is None:
-        async for chunk in body:
-            yield chunk
-        return
     try:
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline):  # None: no deadline
             async for chunk in body:
                 yield chunk
         return
     except TimeoutError:
         logger.info("stream ended at the request timeout (%g s)", timeout_s)
+    finally:  # closed by its reader (a client gone) or timed out: `body`'s own cleanup runs now, not at GC
+        await body.aclose()
     for cancel in cancels:
         cancel()
     yield sse({"error": timeout_error(timeout_s).info.model_dump()})
