@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak import fleet_stats, replica_actor_names, wait_fleet_idle
+from tests.drills.conftest import write_artifact
+from tests.drills.test_drain import metric_sum
 from tests.serve.conftest import deploy, wait_until
 from tests.serve.streaming import Sample, closed_loop
 
@@ -60,6 +62,7 @@ def test_engine_kill_loses_nothing_unstarted_and_the_replica_comes_back(base_url
     with ThreadPoolExecutor(CLIENTS) as pool:
         futures = [pool.submit(closed_loop, base_url, stop, samples, c, 30) for c in range(CLIENTS)]
         time.sleep(4.0)  # steady state on two replicas: each has a batch running and requests queued
+        handed_back_before = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total")
         victim_id, victim = next(iter(fleet_stats(APP).items()))
         os.kill(engine_child_of(victim["pid"]), signal.SIGKILL)
         killed_at = time.monotonic()
@@ -77,5 +80,11 @@ def test_engine_kill_loses_nothing_unstarted_and_the_replica_comes_back(base_url
     assert all(s.result.replica == victim_id and s.result.chunks >= 1 for s in cut), cut
     assert len(cut) <= 2  # the victim's running batch (max_num_seqs 2)
     assert back_at - killed_at < BACK_WITHIN_S
+    # The victim had requests queued behind its batch of 2 (6 clients on 4 slots), and more met it while its engine
+    # restarted: each was handed back and served elsewhere (all 200 above).
+    handed_back = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total") - handed_back_before
+    write_artifact("engine_kill", {"engine_back_s": round(back_at - killed_at, 2), "requests": len(samples),
+                                   "cut_streams": len(cut), "handed_back": handed_back})
+    assert handed_back >= 1
     stats = wait_fleet_idle(APP, 30)
     assert stats[victim_id]["num_block_tables"] == 0, stats
