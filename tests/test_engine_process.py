@@ -237,3 +237,30 @@ def test_the_child_runs_on_intel_s_openmp_when_it_is_installed(engine):
     from conveyor.serving.openmp_runtime import intel_openmp_library
 
     assert engine.info["openmp_runtime"] == ("intel" if intel_openmp_library() else "gnu")
+
+
+def test_the_in_process_engine_also_fails_only_the_request_that_raised(tiny_model_dir):
+    llm = LLMEngine(_config(tiny_model_dir))
+    real_add = llm.add_request
+
+    def add(request, **kwargs):  # noqa: ANN001, ANN202 - a fault in the engine on one request, as a bug would be
+        if request.request_id == "bad":
+            raise RuntimeError("injected failure")
+        return real_add(request, **kwargs)
+
+    llm.add_request = add
+    engine = AsyncEngine(llm)
+
+    async def main():
+        good = engine.generate("The quick", GREEDY, request_id="good")
+        first = await good.__anext__()
+        with pytest.raises(RuntimeError, match="injected failure"):
+            _ = [o async for o in engine.generate("brown fox", GREEDY, request_id="bad")]
+        return [first] + [o async for o in good]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 30))
+        assert outputs[-1].finish_reason == "length" and sum(len(o.delta_token_ids) for o in outputs) == 12
+        assert engine.is_alive()
+    finally:
+        engine.shutdown()

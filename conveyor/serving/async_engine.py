@@ -175,6 +175,10 @@ class AsyncEngine:
                 self.engine.add_request(arg)
             except (ValueError, QueueFullError) as exc:
                 self._post(arg.request_id, exc)
+            except Exception as exc:  # noqa: BLE001 - a fault on one request's command fails that request only
+                logger.exception("engine failed to add request %s", arg.request_id)
+                self.engine.abort_requests([arg.request_id])
+                self._post(arg.request_id, RuntimeError(f"engine failed on this request: {exc}"))
         elif kind == "abort":
             self.engine.abort_requests([arg])
 
