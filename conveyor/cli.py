@@ -4,76 +4,52 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from conveyor.serving.config import ADMISSION_POLICIES, KV_CACHE_DTYPES  # dataclasses only: no torch, no ray
+def _add_engine_args(parser: argparse.ArgumentParser, surface: str = "serve", exclude: tuple[str, ...] = ()) -> None:
+    """One flag per flat engine key (conveyor/serving/settings.py): type, choices and help from the engine's
+    dataclasses, defaults the surface's (SURFACE_DEFAULTS: `serve` has ServeArgs', `generate` the engine's).
+    Booleans take --x / --no-x; an Optional setting also takes `none`."""
+    from conveyor.serving.settings import ENGINE_KEYS, surface_defaults  # dataclasses only: no torch, no ray
 
-    parser.add_argument("--model", default="smollm2", help="'smollm2', a local HF dir, or a .gguf file")
-    parser.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                        help="the KV cache's dtype (auto: the model's); bfloat16 on a float32 CPU model holds "
-                             "twice the tokens in the same memory")
-    parser.add_argument("--memory-fraction", type=float, default=0.25)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--itl-slo-ms", type=float, default=None,
-                        help="tail-latency mode: size each step to keep inter-token latency under this target")
-    parser.add_argument("--tpot-slo-ms", type=_optional_ms, default=100.0,
-                        help="while requests decode, size each step to keep the mean time per output token under "
-                             "this target ('none': the fixed --max-num-batched-tokens budget)")
-    parser.add_argument("--ttft-slo-ms", type=_optional_ms, default=2000.0,
-                        help="with --admission-policy slo, refuse (429) a request whose predicted time to first "
-                             "token exceeds this ('none': no TTFT admission)")
-    parser.add_argument("--admission-policy", choices=list(ADMISSION_POLICIES), default="slo",
-                        help="slo: refuse what would miss --ttft-slo-ms, so admitted requests keep their SLO; "
-                             "queue: every request waits its turn up to the queue bounds")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule each step while the one before runs (vLLM's option; off by default)")
-    parser.add_argument("--gguf-max-rows", type=int, default=None,
-                        help="CPU, model from a GGUF: steps of at most this many tokens read its quantized blocks "
-                             "(0: always the fp32 weights; default: 64 with AVX-512 or AVX2, else 8)")
-    parser.add_argument("--no-cpu-decode-stack", dest="cpu_decode_stack", action="store_false",
-                        help="CPU, model from a GGUF: run decode steps layer by layer from Python rather than in "
-                             "one C++ call (for comparison; the outputs are the same)")
+    defaults = surface_defaults(surface)
+    keys = [key for key in ENGINE_KEYS if key not in exclude]
+    for key in keys:
+        spec = ENGINE_KEYS[key]
+        kwargs: dict[str, Any] = {"dest": key, "default": defaults[key], "help": spec.help}
+        if spec.base_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _flag_type(spec.base_type, spec.optional)
+            kwargs["metavar"] = key.upper()
+            if spec.choices:
+                kwargs["choices"] = list(spec.choices)
+                kwargs.pop("metavar")
+        parser.add_argument(spec.flag, **kwargs)
+    parser.set_defaults(engine_keys=tuple(keys))
 
 
-def _optional_ms(text: str) -> float | None:
-    """A latency target in ms, or 'none' to switch it off."""
-    if text.strip().lower() in ("none", "off"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds, got {text!r}")
-    return value
+def _flag_type(base: type, optional: bool) -> Callable[[str], Any]:
+    """The flag's text to the setting's type; `none` (or `off`) to None where the setting is Optional."""
+    def convert(text: str) -> Any:
+        if optional and text.strip().lower() in ("none", "off"):
+            return None
+        try:
+            return base(text)
+        except ValueError:
+            expected = f"{base.__name__} or 'none'" if optional else base.__name__
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+    convert.__name__ = base.__name__  # argparse names the type in its errors
+    return convert
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig, imported lazily
-    from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from conveyor.serving.settings import engine_config_from_flat
 
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
-                          max_model_len=args.max_model_len),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_bytes=args.kv_cache_bytes, memory_fraction=args.memory_fraction,
-                          kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, scheduling=args.scheduling,
-                                  itl_slo_ms=args.itl_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
-                                  ttft_slo_ms=args.ttft_slo_ms, admission_policy=args.admission_policy,
-                                  async_scheduling=args.async_scheduling),
-        attention_backend=args.attention_backend, gguf_max_rows=args.gguf_max_rows,
-        cpu_decode_stack=args.cpu_decode_stack)
+    return engine_config_from_flat({key: getattr(args, key) for key in args.engine_keys})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -136,11 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    _add_engine_args(gen)
+    # --seed above is the sampling seed; the engine's seed keeps its default.
+    _add_engine_args(gen, "generate", exclude=("seed",))
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on a local Ray (foreground)")
-    _add_engine_args(srv)
+    _add_engine_args(srv, "serve")
     from conveyor.router.serve_cli import add_serve_args  # imports neither ray nor torch
 
     add_serve_args(srv)

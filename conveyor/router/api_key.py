@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-API_KEY_ENV = "CONVEYOR_API_KEY"
+from conveyor import envs
+
+API_KEY_ENV = envs.API_KEY
 
 
 def read_api_key_file(path: str | Path) -> str:

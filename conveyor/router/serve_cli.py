@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor import envs
 from conveyor.router.api_key import API_KEY_ENV, read_api_key_file
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ logger.setLevel(logging.INFO)  # where we listen is always worth a line, even wi
 
 APP_NAME = "conveyor"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
-SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser", "http_proxy")
+SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser", "http_proxy",
+                    "engine_keys", "print_config")
 
 
 def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
@@ -86,9 +88,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="CPUs per engine replica (Ray gives it as many torch threads); default: every core "
                              "of this machine for a single CPU replica, else 1")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine replica")
-    parser.add_argument("--max-waiting-requests", type=int, default=256)
-    parser.add_argument("--max-queue-wait-s", type=float, default=None,
-                        help="also answer 429 when a request's expected wait for a batch slot exceeds this")
     parser.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                         help="step the engine on a thread of the replica process instead of a child process")
     parser.add_argument("--http-proxy", action="store_true",
@@ -98,14 +97,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=None,
                         help="end a request (queue + generation) after this many seconds: a 408, or an SSE error "
                              "event mid-stream, and its engine work aborted (default 1800)")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="streamed tokens leave the replica every this many, the first and last at once "
-                             "(vLLM's --stream-interval): less CPU per token on every hop, a coarser stream")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY); visible in the "
                              "process list: prefer $CONVEYOR_API_KEY or --api-key-file")
     parser.add_argument("--api-key-file", default=None,
                         help="read the API key from this file (each ingress reads it at its start)")
+    parser.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"), default=None,
+                        help="print the effective settings (defaults, --config, $CONVEYOR_API_KEY and flags merged) "
+                             "as YAML or JSON and exit, without starting Ray")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -120,8 +119,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def serve_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Merge config file and flags. A flag overrides the file only when it differs from its default."""
     merged = load_config_file(args.config) if args.config else {}
-    if os.environ.get(API_KEY_ENV):
-        merged["api_key"] = os.environ[API_KEY_ENV]
+    if envs.is_set(API_KEY_ENV):
+        merged["api_key"] = envs.get(API_KEY_ENV)
     for dest, value in vars(args).items():
         if dest in SERVE_ONLY_FLAGS or value == parser.get_default(dest):
             continue
@@ -148,7 +147,41 @@ def check_api_key_settings(cfg: ServeArgs) -> None:
         logger.warning("--api-key is visible in the process list: prefer $%s or --api-key-file", API_KEY_ENV)
 
 
+def effective_serve_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ServeArgs, bool]:
+    """ServeArgs after defaults, the config file, the environment and the flags; and whether num_cpus was given.
+    ValueError (a pydantic ValidationError) on bad settings, before Ray starts."""
+    from conveyor.router.app import ServeArgs
+
+    settings = serve_args_from(args, parser)
+    cfg = ServeArgs.model_validate(settings)
+    if "num_cpus" not in settings and _single_cpu_replica(cfg):
+        # Ray sets a replica's OMP_NUM_THREADS to its num_cpus: the default 1 would leave the other cores idle.
+        cfg = cfg.model_copy(update={"num_cpus": float(os.cpu_count() or 1)})
+    return cfg, "num_cpus" in settings
+
+
+def print_config(cfg: ServeArgs, fmt: str) -> str:
+    """The settings as `fmt` (yaml or json), in the keys a --config file takes; the API key itself is masked."""
+    import json
+
+    import yaml
+
+    data = cfg.model_dump(mode="json")
+    if data.get("api_key"):
+        data["api_key"] = "***"
+    if fmt == "json":
+        return json.dumps(data, indent=2)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.print_config:
+        try:
+            cfg, _ = effective_serve_args(args, parser)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(print_config(cfg, args.print_config))
+        return 0
     auth_mode = ray_auth_mode()
     env: dict[str, str] = {}
     for key, value in serve_env(args.port, args.http_proxy).items():
@@ -156,21 +189,17 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import ray
     from ray import serve
 
-    from conveyor.router.app import ServeArgs, build_app
+    from conveyor.router.app import build_app
     from conveyor.serving.openmp_runtime import child_openmp_env
     from conveyor.serving.priority import ray_batch_setting, run_children_as_batch
 
-    settings = serve_args_from(args, parser)
-    cfg = ServeArgs.model_validate(settings)  # fail on bad settings before Ray starts
+    cfg, _ = effective_serve_args(args, parser)  # fail on bad settings before Ray starts
     try:  # bad engine settings in the environment fail here, as the replica would read them
         check_api_key_settings(cfg)
         child_openmp_env(os.environ)
         ray_as_batch = ray_batch_setting()
     except ValueError as exc:
         parser.error(str(exc))
-    if "num_cpus" not in settings and _single_cpu_replica(cfg):
-        # Ray sets a replica's OMP_NUM_THREADS to its num_cpus: the default 1 would leave the other cores idle.
-        cfg = cfg.model_copy(update={"num_cpus": float(os.cpu_count() or 1)})
     started = time.monotonic()
     # Logical CPUs: let the requested replicas fit even where they oversubscribe a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cfg.num_cpus * cfg.num_replicas + 1))

@@ -1,31 +1,47 @@
-"""Engine configuration: frozen dataclasses, validated at construction."""
+"""Engine configuration: frozen dataclasses, validated at construction.
+
+These dataclasses are the one source of every engine setting: its type, default and help text (the field's
+metadata). `conveyor serve`'s ServeArgs, the `conveyor` flags and `LLM(...)`'s keywords are derived from them
+(conveyor/serving/settings.py), and docs/configuration.md is generated from them (conveyor/config_docs.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # vLLM's kv_cache_dtype values we support: "auto" is the model's dtype; "fp8" is fp8_e4m3, as in vLLM.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # SchedulerConfig.admission_policy: refuse what would miss its TTFT target, or queue everything up to the bounds.
 ADMISSION_POLICIES = ("slo", "queue")
+SCHEDULING_POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda", "flash")
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
+    """A dataclass field carrying its help text (and allowed values) for the flags, ServeArgs and the docs."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Exactly one sizing rule applies: an explicit block count, a byte budget, or (neither given) a memory rule:
-    # on CPU memory_fraction of MemAvailable; on CUDA gpu_memory_utilization (vLLM semantics): the engine may use
-    # that fraction of the device's TOTAL memory, and the KV cache gets what the weights, a profiled max-size
-    # step's peak activations and memory outside torch's allocator leave of it.
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    memory_fraction: float = 0.25
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    # The KV cache's element type (vLLM's --kv-cache-dtype): "auto" is the model's dtype. A float32 model with a
-    # bfloat16 cache halves the KV bytes: twice the blocks for the same budget, half the bytes decode reads. An fp8
-    # cache (e4m3: 3 mantissa bits, largest 448; e5m2: 2 bits, largest 57344; no scales, writes saturate) quarters
-    # them, at a cost in accuracy that benchmarks/kv_cache_quality.py measures; cpu and torch attention only.
-    kv_cache_dtype: str = "auto"
+    block_size: int = setting(16, "tokens per KV cache block (a power of two)")
+    # Exactly one sizing rule applies: an explicit block count, a byte budget, or (neither given) a memory rule.
+    num_blocks: int | None = setting(None, "KV cache size in blocks (None: from kv_cache_bytes or the memory rule)")
+    kv_cache_bytes: int | None = setting(None, "KV cache size in bytes (None: from the memory rule)")
+    memory_fraction: float = setting(0.25, "CPU: the KV cache takes this fraction of MemAvailable")
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA (vLLM semantics): the engine may use this fraction of the device's total memory; the KV cache "
+        "gets what the weights, a profiled max-size step's peak activations and memory outside torch leave of it")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt prefix seen before")
+    # A float32 model with a bfloat16 cache halves the KV bytes: twice the blocks for the same budget, half the bytes
+    # decode reads. fp8 has no scales (writes saturate); benchmarks/kv_cache_quality.py measures its accuracy cost.
+    kv_cache_dtype: str = setting(
+        "auto", "the KV cache's element type (vLLM's --kv-cache-dtype; auto: the model's dtype); bfloat16 on a "
+        "float32 model holds twice the tokens, fp8 (e4m3) four times (cpu and torch attention only)",
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -34,6 +50,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -42,48 +60,46 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = setting(512, "token budget per step (prefill chunks + decodes)")
+    max_num_seqs: int = setting(64, "sequences per step")
     # Bounded admission: past these the engine raises QueueFullError (HTTP 429 upstream).
-    max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 1 << 20
-    # Overload shedding: refuse (429) a request whose expected wait for a batch slot exceeds this many seconds,
-    # estimated from the running requests' remaining max_tokens and recent step times. An upper bound when
-    # outputs stop early at EOS, so it sheds conservatively. None: only the queue bounds above apply.
-    max_queue_wait_s: float | None = None
-    # "continuous" (iteration-level) or "static" (the baseline: a batch runs until its longest member ends).
-    scheduling: str = "continuous"
-    enable_chunked_prefill: bool = True
-    # Tail-latency mode: size every step's token budget so its predicted time stays under this inter-token
-    # latency target (measured online), admitting prefill chunks only with the slack. None: fixed budget.
-    itl_slo_ms: float | None = None
-    # SLO-aware scheduling, on by default (Sarathi-Serve's stall-free batching with the chunk sized by time, not
-    # by a fixed token count): while requests decode, each step carries the prefill tokens that keep its predicted
-    # time (the fitted mean: TPOT is a mean over a request's tokens) under tpot_slo_ms * slo_headroom; a step with
-    # no decodes takes up to max_num_batched_tokens. None: the fixed max_num_batched_tokens budget.
-    tpot_slo_ms: float | None = 100.0
-    # Admission by time to first token. "slo": a request whose predicted first-token time (the prefill queued
-    # ahead of it at the pace the step budget allows, plus its own) exceeds ttft_slo_ms * slo_headroom is refused
-    # at once (QueueFullError, HTTP 429 with Retry-After), so the requests admitted keep their SLO past capacity.
-    # "queue": every request waits its turn up to the queue bounds, as vLLM does. None: no TTFT admission.
-    ttft_slo_ms: float | None = 2000.0
-    admission_policy: str = "slo"
-    # Aim the step's prediction at this fraction of the SLO: it leaves room for the work between steps
-    # (detokenizing, streaming) that the client sees in its inter-token gaps but the step timer does not.
-    slo_headroom: float = 0.85
-    # TPOT is a mean over a request's output tokens: a step may run longer than the target by the time the
-    # slowest-paced running stream is ahead of its own pace, up to tpot_credit_max x the target (0: no credit).
-    tpot_credit_max: float = 3.0
-    # Tail-latency mode never lets pending prefill stall: each step gives it at least this many tokens, even
-    # when the decodes alone fill the target (a long prompt waiting forever is worse than a slightly slow step).
+    max_waiting_requests: int = setting(1024, "waiting-queue bound; beyond it a request is refused (429)")
+    max_waiting_tokens: int = setting(1 << 20, "bound on the prompt tokens waiting; beyond it 429")
+    # Estimated from the running requests' remaining max_tokens and recent step times: an upper bound when outputs
+    # stop early at EOS, so it sheds conservatively.
+    max_queue_wait_s: float | None = setting(
+        None, "also refuse (429) a request whose expected wait for a batch slot exceeds this many seconds "
+        "(None: only the queue bounds)")
+    scheduling: str = setting(
+        "continuous", "continuous (iteration-level) or static (the baseline: a batch runs until its longest member "
+        "ends)", choices=SCHEDULING_POLICIES)
+    enable_chunked_prefill: bool = setting(True, "split long prompts into chunks that share steps with decodes")
+    itl_slo_ms: float | None = setting(
+        None, "tail-latency mode: size every step's token budget so its predicted time stays under this "
+        "inter-token latency target, prefill chunks only with the slack (None: fixed budget)")
+    # Sarathi-Serve's stall-free batching with the chunk sized by time, not by a fixed token count.
+    tpot_slo_ms: float | None = setting(
+        100.0, "while requests decode, each step carries the prefill that keeps its predicted mean time under "
+        "tpot_slo_ms x slo_headroom (None: the fixed max_num_batched_tokens budget)")
+    ttft_slo_ms: float | None = setting(
+        2000.0, "with admission_policy slo, a request whose predicted first-token time exceeds ttft_slo_ms x "
+        "slo_headroom is refused at once (429 with Retry-After) (None: no TTFT admission)")
+    admission_policy: str = setting(
+        "slo", "slo: refuse what would miss its TTFT target, so admitted requests keep their SLO past capacity; "
+        "queue: every request waits its turn up to the queue bounds, as vLLM does", choices=ADMISSION_POLICIES)
+    # Room for the work between steps (detokenizing, streaming) that the client sees but the step timer does not.
+    slo_headroom: float = setting(0.85, "aim each step's prediction at this fraction of the SLO targets")
+    tpot_credit_max: float = setting(
+        3.0, "a step may exceed the TPOT target by the time the slowest-paced stream is ahead of its pace, up to "
+        "this many targets (TPOT is a mean; 0: no credit)")
     # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
     # a 70 ms SLO (p99 71, max 323 ms); 8 kept it (p99 59, max 69) for ~30% more long-prompt TTFT (RESULTS.md).
-    min_prefill_tokens: int = 8
-    # vLLM's async scheduling: step N+1 is scheduled, and step N's tokens are turned into outputs, while step N's
-    # forward runs (serving/step_pipeline.py). The engine learns a request ended one step late, so a request that
-    # stops at EOS has one wasted token computed; steps with a request whose sampling reads its own output
-    # (penalties, min_tokens, grammars) wait for the step before.
-    async_scheduling: bool = False
+    min_prefill_tokens: int = setting(
+        8, "tail-latency mode: every step gives pending prefill at least this many tokens, so it never stalls")
+    # The engine learns a request ended one step late (one wasted token at EOS); steps with a request whose sampling
+    # reads its own output (penalties, min_tokens, grammars) wait for the step before.
+    async_scheduling: bool = setting(
+        False, "vLLM's async scheduling: schedule step N+1 while step N's forward runs (serving/step_pipeline.py)")
 
     def __post_init__(self) -> None:
         for name in ("itl_slo_ms", "tpot_slo_ms", "ttft_slo_ms"):
@@ -105,7 +121,11 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.scheduling not in ("continuous", "static"):
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be >= 1")
+        if self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_tokens must be >= 1")
+        if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.async_scheduling and self.scheduling == "static":
             raise ValueError("async_scheduling needs scheduling 'continuous' (the static baseline stays synchronous)")
@@ -113,11 +133,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
+    model: str = setting("smollm2", "'smollm2', a local HF directory, or a .gguf file")
+    dtype: str = setting("auto", "the model's dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = setting("auto", "auto, cpu or cuda")
+    max_model_len: int | None = setting(None, "context length (None: the model's own)")
+    seed: int = setting(0, "the engine's random seed (requests without their own seed)")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -125,26 +149,28 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"
-    # CPU float32, and bfloat16 where the CPU has native bf16: pre-pack weights for oneDNN (see models/cpu_packing.py).
-    cpu_weight_packing: bool = True
-    # CUDA only (ignored on CPU): replay captured CUDA graphs for pure-decode steps (see cuda_graphs.py).
-    enable_cuda_graphs: bool = True
-    # CPU float32, model converted from a GGUF: steps of at most gguf_max_rows tokens multiply by the file's own
-    # quantized blocks (Q4_1/Q8_0), the same weights in 5-8.5 bits rather than 32 (see models/gguf_weights.py).
-    # 0 turns it off; every step then uses the fp32 weights. None: by the CPU (kernels.gguf.default_max_rows).
-    gguf_max_rows: int | None = None
-    # CPU, every projection in GGUF blocks: a step of decodes only runs its decoder layers in one C++ call instead of
-    # ~10 Python-driven kernel calls per layer, bit-identical (see models/decode_stack.py). The CPU's CUDA graph.
-    cpu_decode_stack: bool = True
-    # With that loop: a step mixing decodes and prefill chunks runs as two forwards, the decodes through the loop,
-    # the chunks through the module path (model_runner.py _forward_split), rather than every row through the latter.
-    split_mixed_steps: bool = True
-    # Structured outputs: a grammar still compiling after this long fails its request (finish_reason "error").
-    grammar_compile_timeout_s: float = 30.0
-    # vLLM's stream_interval: a stream gets a request's tokens every this many (its first and last at once): fewer,
-    # larger records for every process on the path, for a coarser stream.
-    stream_interval: int = 1
+    attention_backend: str = setting("auto", "attention implementation", choices=ATTENTION_BACKENDS)
+    cpu_weight_packing: bool = setting(
+        True, "CPU float32, and bfloat16 where the CPU has native bf16: pre-pack weights for oneDNN "
+        "(models/cpu_packing.py)")
+    enable_cuda_graphs: bool = setting(
+        True, "CUDA only: replay captured CUDA graphs for pure-decode steps (cuda_graphs.py)")
+    # The same weights in 5-8.5 bits rather than 32 (models/gguf_weights.py).
+    gguf_max_rows: int | None = setting(
+        None, "CPU float32, model from a GGUF: steps of at most this many tokens multiply by the file's quantized "
+        "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8)")
+    # The CPU's CUDA graph: ~10 Python-driven kernel calls per layer become one C++ call, bit-identical.
+    cpu_decode_stack: bool = setting(
+        True, "CPU, every projection in GGUF blocks: a decode-only step runs its layers in one C++ call "
+        "(models/decode_stack.py)")
+    split_mixed_steps: bool = setting(
+        True, "with cpu_decode_stack: a step mixing decodes and prefill chunks runs as two forwards, the decodes "
+        "through the C++ loop (model_runner.py _forward_split)")
+    grammar_compile_timeout_s: float = setting(
+        30.0, "structured outputs: a grammar still compiling after this many seconds fails its request")
+    # Fewer, larger records for every process on the path, for a coarser stream.
+    stream_interval: int = setting(
+        1, "vLLM's stream_interval: a stream gets a request's tokens every this many (its first and last at once)")
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -153,5 +179,5 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.gguf_max_rows is not None and self.gguf_max_rows < 0:
             raise ValueError(f"gguf_max_rows must be >= 0, got {self.gguf_max_rows}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton", "cuda", "flash"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")

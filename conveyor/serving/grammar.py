@@ -24,6 +24,7 @@ from typing import Any
 
 import llguidance
 
+from conveyor import envs
 from conveyor.serving.request import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ DEFAULT_COMPILE_THREADS = 2
 MAX_ABANDONED_COMPILES = 4
 MAX_CACHED_GRAMMARS = 256
 MAX_COMPILE_TIMES = 4096
-COMPILE_THREAD_NICE = int(os.environ.get("CONVEYOR_GRAMMAR_NICE", "10"))
+COMPILE_THREAD_NICE = int(envs.get(envs.GRAMMAR_NICE))
 # Fixed separators, no free whitespace between JSON tokens: a small model offered free whitespace can spend its
 # whole max_tokens on newlines (a known failure of flexible-whitespace JSON grammars); json.dumps' own layout.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -1,14 +1,16 @@
 """LLM: the offline, vLLM-style entry point. LLM(model).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.outputs import RequestOutput, SampledToken
 from conveyor.serving.request import Request, SamplingParams
 from conveyor.serving.scheduler import QueueFullError
+from conveyor.serving.settings import ENGINE_KEYS, SURFACE_DEFAULTS, engine_config_from_flat, surface_defaults
 
 Prompt = str | list[int]
 
@@ -25,26 +27,13 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, scheduling: str = "continuous", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, memory_fraction: float = 0.25,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None, dtype: str = "auto",
-                 device: str = "auto", attention_backend: str = "auto", seed: int = 0,
-                 itl_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-                 ttft_slo_ms: float | None = None, gguf_max_rows: int | None = None,
-                 kv_cache_dtype: str = "auto", async_scheduling: bool = False, cpu_decode_stack: bool = True,
-                 split_mixed_steps: bool = True) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-                              memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      scheduling=scheduling, itl_slo_ms=itl_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                      ttft_slo_ms=ttft_slo_ms,
-                                      async_scheduling=async_scheduling),
-            attention_backend=attention_backend, gguf_max_rows=gguf_max_rows, cpu_decode_stack=cpu_decode_stack,
-            split_mixed_steps=split_mixed_steps)
+    def __init__(self, model: str = ENGINE_KEYS["model"].default, **settings: Any) -> None:
+        """Keywords: the flat engine keys (docs/configuration.md), with the offline defaults (SURFACE_DEFAULTS:
+        no SLO step budget or TTFT admission, since no client waits on a first token)."""
+        unknown = set(settings) - set(ENGINE_KEYS)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        config = engine_config_from_flat(SURFACE_DEFAULTS["offline"] | settings | {"model": model})
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
@@ -104,3 +93,16 @@ class LLM:
     def _result(request: Request, final: RequestOutput, logprobs: list[SampledToken] | None) -> GenerationResult:
         return GenerationResult(request.request_id, request.prompt_token_ids, final.text, list(final.token_ids),
                                 final.finish_reason, logprobs, final.num_cached_tokens)
+
+
+def _signature() -> inspect.Signature:
+    """LLM.__init__'s signature as help() shows it: every engine key a keyword, with its offline default."""
+    defaults = surface_defaults("offline")
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=defaults["model"])]
+    params += [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=defaults[key],
+                                 annotation=spec.annotation) for key, spec in ENGINE_KEYS.items() if key != "model"]
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -18,7 +18,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-OPENMP_ENV = "CONVEYOR_ENGINE_OPENMP"
+from conveyor import envs
+
+OPENMP_ENV = envs.ENGINE_OPENMP
 OPENMP_CHOICES = ("auto", "intel", "gnu")
 INTEL_OPENMP_LIBRARY = "libiomp5.so"
 
@@ -34,7 +36,7 @@ def intel_openmp_library() -> Path | None:
 
 def child_openmp_env(parent: Mapping[str, str]) -> dict[str, str]:
     """The variables to add to the engine child's environment for the runtime `parent` asks for."""
-    choice = parent.get(OPENMP_ENV, "auto").strip().lower() or "auto"
+    choice = envs.get(OPENMP_ENV, parent).strip().lower() or "auto"
     if choice not in OPENMP_CHOICES:
         raise ValueError(f"{OPENMP_ENV}={parent[OPENMP_ENV]!r}: expected one of {', '.join(OPENMP_CHOICES)}")
     if choice == "gnu":

