@@ -1,4 +1,4 @@
-"""ProcessEngine: the AsyncEngine interface with the engine stepping in a child process.
+"""ProcessEngine: the EngineClient contract (engine_client.py) with the engine stepping in a child process.
 
 In a Serve replica the engine thread shares one GIL with Serve's own request machinery (an RPC per request,
 one per streamed record, metrics). Under overload that machinery held ~45% of the GIL in a py-spy sample and the
@@ -13,6 +13,9 @@ The child steps the engine core only (CoreOutputs: token ids). The parent tokeni
 into text (output_processor.py) while the child computes the next step: neither is on the step's critical path.
 A stop string is found here, so the parent aborts that request in the child, which may have computed one more
 token for it by then (dropped).
+
+Faults: a message that fails on either side ends its own request(s) only. When the child dies, every stream and
+every later generate gets EngineDeadError at once, and on_exit lets the owner (the replica) start a new engine.
 """
 from __future__ import annotations
 
