@@ -94,9 +94,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="put Ray Serve's HTTP proxy in front of the ingress (default: the ingress listens on "
                              "--port itself, one hop less per streamed token)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    parser.add_argument("--request-timeout-s", type=float, default=None,
+    # The default repeats ServeArgs' (this module must not import Ray); tests/serve/test_config_sources.py holds
+    # every serve flag's default equal to ServeArgs'.
+    parser.add_argument("--request-timeout-s", type=_seconds_or_none, default=1800.0,
                         help="end a request (queue + generation) after this many seconds: a 408, or an SSE error "
-                             "event mid-stream, and its engine work aborted (default 1800)")
+                             "event mid-stream, and its engine work aborted ('none': no deadline)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $CONVEYOR_API_KEY); visible in the "
                              "process list: prefer $CONVEYOR_API_KEY or --api-key-file")
@@ -105,6 +107,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"), default=None,
                         help="print the effective settings (defaults, --config, $CONVEYOR_API_KEY and flags merged) "
                              "as YAML or JSON and exit, without starting Ray")
+
+
+def _seconds_or_none(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'none', got {text!r}") from None
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import yaml
 
 from conveyor.cli import build_parser, engine_config_from_args, main
 from conveyor.router.app import SERVE_ONLY_KEYS, ServeArgs
+from conveyor.router.serve_cli import serve_args_from
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.settings import (
     ENGINE_KEYS,
@@ -72,6 +73,22 @@ def test_cli_flag_defaults_equal_the_dataclass_defaults(command: str, surface: s
     args = build_parser().parse_args([command] + (["hi"] if command == "generate" else []))
     expected = engine_config_from_flat({k: v for k, v in defaults.items() if k in keys})
     assert engine_config_from_args(args) == expected
+
+
+def test_serve_only_flag_defaults_equal_serve_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    parser = _subparser("serve")
+    flags = {a.dest for a in parser._actions if a.option_strings}  # noqa: SLF001
+    checked = 0
+    for key in set(SERVE_ONLY_KEYS) & flags:
+        if key == "num_cpus":  # None on purpose: `conveyor serve` then gives a single CPU replica every core
+            assert parser.get_default(key) is None
+            continue
+        assert parser.get_default(key) == ServeArgs.model_fields[key].default, key
+        checked += 1
+    assert checked >= 6
+    args = build_parser().parse_args(["serve", "--request-timeout-s", "none"])
+    assert serve_args_from(args, args.serve_parser) == {"request_timeout_s": None}
 
 
 def test_cli_flags_types_none_and_booleans() -> None:
