@@ -100,7 +100,7 @@ def test_mixed_steps_split_in_two_forwards_keep_the_tokens(quantized_dir, temper
     kwargs = dict(gguf_max_rows=8, num_kv_blocks=256, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
     params = [SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
               for i, n in enumerate(NUM_TOKENS)]
-    split = LLM(str(quantized_dir), **kwargs)
+    split = LLM(str(quantized_dir), split_mixed_steps=True, **kwargs)
     runner = split.engine.runner
     num_split = 0
     forward_split = runner._forward_split

@@ -163,8 +163,9 @@ class EngineConfig:
     cpu_decode_stack: bool = setting(
         True, "CPU, every projection in GGUF blocks: a decode-only step runs its layers in one C++ call "
         "(models/decode_stack.py)")
+    # Off: on a 2-core Zen 4 the two forwards cost what one mixed forward does (RESULTS.md, "Step cost").
     split_mixed_steps: bool = setting(
-        True, "with cpu_decode_stack: a step mixing decodes and prefill chunks runs as two forwards, the decodes "
+        False, "with cpu_decode_stack: a step mixing decodes and prefill chunks runs as two forwards, the decodes "
         "through the C++ loop (model_runner.py _forward_split)")
     grammar_compile_timeout_s: float = setting(
         30.0, "structured outputs: a grammar still compiling after this many seconds fails its request")
