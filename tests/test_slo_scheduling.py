@@ -147,3 +147,41 @@ def test_a_short_backlog_is_charged_its_own_tokens_not_whole_steps():
     scheduler.add_request(make_request("next", 50, 8, first_token=200))
     with pytest.raises(QueueFullError):
         scheduler.add_request(make_request("over", 100, 8, first_token=300))  # 300 tokens: 2 steps, 174 ms
+
+
+def test_ttft_admission_learns_how_far_first_tokens_run_over_their_predictions():
+    scheduler, _ = _scheduler_with_known_cost()
+    now = [100.0]
+    scheduler.clock = lambda: now[0]
+    # Predicted ~1.2 s behind one queued 1,000-token prompt and its own: admitted at a misfit of 1.
+    scheduler.add_request(make_request("q0", 1000, 8, first_token=100))
+    probe = make_request("probe", 1000, 8, first_token=200)
+    scheduler.add_request(probe)
+    assert 1.0 < probe.predicted_ttft_s < 2.0
+    scheduler.finish_requests(["probe"], probe.status.FINISHED_ABORTED)
+    # First tokens keep landing at twice their predictions: the misfit rises, and the same request is refused.
+    for i in range(60):
+        request = make_request(f"late{i}", 10, 8, first_token=300 + i)
+        request.arrival_time, request.predicted_ttft_s = now[0] - 2.0, 1.0
+        scheduler._score_ttft_prediction(request)
+    assert scheduler.ttft_misfit.value > 1.5
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("again", 1000, 8, first_token=200))
+    # And at half their predictions it falls back: admitted again.
+    for i in range(200):
+        request = make_request(f"early{i}", 10, 8, first_token=600 + i)
+        request.arrival_time, request.predicted_ttft_s = now[0] - 0.5, 1.0
+        scheduler._score_ttft_prediction(request)
+    assert scheduler.ttft_misfit.value < 1.0
+    scheduler.add_request(make_request("admitted", 1000, 8, first_token=200))
+
+
+def test_a_first_token_scores_its_prediction():
+    scheduler, runner = _scheduler_with_known_cost()
+    scheduler.add_request(make_request("q0", 300, 8, first_token=100))
+    scheduler.add_request(make_request("q1", 300, 8, first_token=200))
+    q1 = scheduler.requests["q1"]
+    assert q1.predicted_ttft_s is not None
+    while not q1.output_token_ids:
+        step(scheduler, runner)
+    assert q1.predicted_ttft_s is None and scheduler.ttft_misfit.num_observations == 1
