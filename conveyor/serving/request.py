@@ -177,9 +177,6 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # The scheduler's predicted time to first token when it admitted the request (TTFT admission), until the
-    # first token lands and the prediction is scored.
-    predicted_ttft_s: float | None = None
     # Structured outputs: a serving.grammar.RequestGrammar (compiled off the step, then one matcher per request).
     grammar: Any = None
     # Its next token is its logits' argmax and nothing more: greedy, no edits, no grammar, no logprobs. Set once

@@ -11,7 +11,7 @@ from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus
 from conveyor.serving.step_budget import StepBudget
-from conveyor.serving.step_cost import QuantileTracker, StepCostModel
+from conveyor.serving.step_cost import StepCostModel
 
 # QueueFullError.reason values; also the `reason` label of conveyor_requests_rejected_total.
 REFUSAL_REASONS = ("queue_full", "ttft_slo")
@@ -38,10 +38,6 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
         self.num_refused_ttft = 0  # requests refused by TTFT admission (admission_policy "slo")
-        # How far actual first-token times run over their predictions (the p90 of actual / predicted), learned from
-        # the requests admitted with something ahead: the prediction leaves out host jitter and the work between
-        # steps, more of both under overload, and its error grows with the queue it looks across.
-        self.ttft_misfit = QuantileTracker(q=0.7)
         self._num_waiting_tokens = 0
         # Keep a few blocks back when admitting, so a new request does not force a preemption next step.
         self._watermark_blocks = max(1, kv_cache.num_blocks // 100)
@@ -95,12 +91,8 @@ class Scheduler:
             return  # nothing to wait for: a prompt too long for the target alone would miss it at any time
         ahead.append((self.kv_cache.peek_num_cached_tokens(request), request.num_tokens))
         ttft_s = self.budget.predicted_ttft_s(self.running, ahead)
-        if ttft_s is None:
-            return
-        request.predicted_ttft_s = ttft_s
-        ttft_s *= self.ttft_misfit.value
         limit_s = self.budget.ttft_limit_s()
-        if ttft_s > limit_s:
+        if ttft_s is not None and ttft_s > limit_s:
             self.num_refused_ttft += 1
             raise QueueFullError(f"predicted time to first token {ttft_s:.1f} s exceeds the {limit_s:.1f} s target "
                                  "(ttft_slo_ms)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
@@ -313,8 +305,6 @@ class Scheduler:
             output = request.output_token_ids
             output.append(token_id)
             updated.append(request)
-            if request.predicted_ttft_s is not None:
-                self._score_ttft_prediction(request)
             # The common case in one test, without a call: none of _stop_status's conditions can hold.
             if (request.grammar is None and token_id != request.eos_token_id
                     and token_id not in request.sampling_params.stop_token_ids
@@ -326,12 +316,6 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
         return updated
-
-    def _score_ttft_prediction(self, request: Request) -> None:
-        """A first token landed: feed actual / predicted to the misfit."""
-        actual_s = self.clock() - request.arrival_time
-        self.ttft_misfit.observe(actual_s / max(request.predicted_ttft_s, 1e-3))
-        request.predicted_ttft_s = None
 
     def _land_on_preempted(self, request: Request, token_id: int | None, out: SchedulerOutput) -> list[Request]:
         if token_id is None:

@@ -35,24 +35,6 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 @dataclass
-class QuantileTracker:
-    """An online estimate of the q-quantile of a ratio (actual / predicted), by stochastic approximation: in
-    equilibrium a fraction q of the observations fall below `value`. Clamped to [low, high]."""
-    q: float = 0.9
-    rate: float = 0.05
-    value: float = 1.0
-    low: float = 0.5
-    high: float = 4.0
-    num_observations: int = 0
-
-    def observe(self, ratio: float) -> None:
-        step = self.rate * self.value
-        self.value += step * self.q if ratio > self.value else -step * (1.0 - self.q)
-        self.value = min(max(self.value, self.low), self.high)
-        self.num_observations += 1
-
-
-@dataclass
 class StepCostModel:
     # How fast old observations fade: ~1 / (1 - decay) steps of memory.
     decay: float = 0.98
