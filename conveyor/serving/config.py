@@ -82,15 +82,13 @@ class SchedulerConfig:
         100.0, "while requests decode, each step carries the prefill that keeps its predicted mean time under "
         "tpot_slo_ms x slo_headroom (None: the fixed max_num_batched_tokens budget)")
     ttft_slo_ms: float | None = setting(
-        2000.0, "with admission_policy slo, a request whose predicted first-token time exceeds ttft_slo_ms is "
-        "refused at once (429 with Retry-After) (None: no TTFT admission)")
+        2000.0, "with admission_policy slo, a request whose predicted first-token time exceeds ttft_slo_ms x "
+        "slo_headroom is refused at once (429 with Retry-After) (None: no TTFT admission)")
     admission_policy: str = setting(
         "slo", "slo: refuse what would miss its TTFT target, so admitted requests keep their SLO past capacity; "
         "queue: every request waits its turn up to the queue bounds, as vLLM does", choices=ADMISSION_POLICIES)
     # Room for the work between steps (detokenizing, streaming) that the client sees but the step timer does not.
-    # Not applied to TTFT admission: a refusal is a certain miss, so a request is refused only when its predicted
-    # first token is later than the target itself (served at 0.75-1 req/s, 0.85 x refused 1-5% that would have met).
-    slo_headroom: float = setting(0.85, "aim each step's predicted time at this fraction of the TPOT/ITL targets")
+    slo_headroom: float = setting(0.85, "aim each step's prediction at this fraction of the SLO targets")
     tpot_credit_max: float = setting(
         3.0, "a step may exceed the TPOT target by the time the slowest-paced stream is ahead of its pace, up to "
         "this many targets (TPOT is a mean; 0: no credit)")

@@ -95,7 +95,7 @@ class Scheduler:
         if ttft_s is not None and ttft_s > limit_s:
             self.num_refused_ttft += 1
             raise QueueFullError(f"predicted time to first token {ttft_s:.1f} s exceeds the {limit_s:.1f} s target "
-                                 "(ttft_slo_ms)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
+                                 "(ttft_slo_ms x slo_headroom)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
                                  reason="ttft_slo")
 
     def expected_queue_wait_s(self) -> float:

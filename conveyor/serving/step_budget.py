@@ -60,8 +60,7 @@ class StepBudget:
     def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None) -> float:
         """How far this step may exceed the TPOT target: TPOT is a mean over a request's tokens, so a stream
         ahead of its pace (t_first + target x tokens so far) can take a longer step and stay within it. The
-        stream with the least credit sets it; a stream behind its pace gives none (never negative). Counting the
-        slack that future fast steps would leave as credit too broke TPOT p99 in benchmarks/slo_sim.py."""
+        stream with the least credit sets it; a stream behind its pace gives none (never negative)."""
         if now is None or not self.config.tpot_credit_max or self.config.tpot_slo_ms is None or not decodes:
             return 0.0
         target_s = self.config.tpot_slo_ms / 1000 * self.config.slo_headroom
@@ -127,4 +126,4 @@ class StepBudget:
                                           num_steps * decode_kv_reads + prefill_kv_reads)
 
     def ttft_limit_s(self) -> float:
-        return self.config.ttft_slo_ms / 1000
+        return self.config.ttft_slo_ms / 1000 * self.config.slo_headroom
