@@ -13,7 +13,7 @@ generate: setup
 test: setup
 	.venv/bin/python -m pytest -q --durations=25
 
-# The inner loop: every test that starts no Ray and loads no real model (markers `ray`, `slow`: tests/conftest.py,
+# The inner loop: every test that starts no Ray and is not slow (markers `ray`, `slow`: tests/conftest.py,
 # pyproject.toml); `make test` runs them all.
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not ray and not slow" --durations=10

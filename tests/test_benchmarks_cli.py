@@ -109,6 +109,7 @@ def help_results() -> dict[str, subprocess.CompletedProcess[str] | None]:
         return dict(zip([p.name for p in MAIN_SCRIPTS], pool.map(_run_help, MAIN_SCRIPTS), strict=True))
 
 
+@pytest.mark.slow  # ~30 s of subprocesses importing torch: out of `make test-fast`
 @pytest.mark.parametrize("path", MAIN_SCRIPTS, ids=lambda p: p.name)
 def test_every_script_answers_help(path: Path, help_results: dict) -> None:
     result = help_results[path.name]

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # nvcc takes ~15 s: out of `make test-fast`
+
 CSRC = pathlib.Path(__file__).resolve().parents[2] / "conveyor" / "kernels" / "csrc"
 NVCC = shutil.which("nvcc")
 
