@@ -2,7 +2,7 @@
 
 1. measures the device-to-device copy rate (the bandwidth ceiling: bytes read + written / time);
 2. builds the CUDA extension (conveyor/kernels/csrc) and reports the build time;
-3. runs `pytest -m gpu tests/kernels tests/test_cuda_graphs.py` in-process (every backend vs the float64
+3. runs `pytest -m gpu tests/kernels tests/serving/test_cuda_graphs.py` in-process (every backend vs the float64
    reference, poisoned outputs; CUDA-graph replay vs eager);
 4. times each backend's decode attention with CUDA events (triton.testing.do_bench, median, L2 flushed):
    batch 1..256 x context 512..32k, 32 query heads : 8 KV heads, head_dim 128, block 16, bf16, and prints the

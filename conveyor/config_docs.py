@@ -2,7 +2,7 @@
 
     python -m conveyor.config_docs > docs/configuration.md
 
-tests/serve/test_config_docs.py fails when the committed page differs from what this prints.
+tests/router/test_config_sources.py fails when the committed page differs from what this prints.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Session-wide fixtures: the tiny models, and one Ray cluster with one Serve proxy for every package that deploys
-(tests/drills, tests/metrics, tests/serve), started by the first test that asks for it."""
+(tests/drills, tests/metrics, tests/router), started by the first test that asks for it."""
 from __future__ import annotations
 
 import os
@@ -47,7 +47,7 @@ def serve_cluster() -> Iterator[str]:
     """The Serve proxy's base URL (http://127.0.0.1:PORT). Ray and Serve start once per session (~15-25 s on 2
     cores; each package used to pay it), or attach to a Serve already running, left alone then. Every test
     deploys its own application under its own route and deletes it, so packages do not see each other's."""
-    from tests.serve.conftest import attached_or_new_serve
+    from tests.router.conftest import attached_or_new_serve
 
     with attached_or_new_serve() as url:
         yield url

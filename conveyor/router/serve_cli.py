@@ -94,7 +94,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="put Ray Serve's HTTP proxy in front of the ingress (default: the ingress listens on "
                              "--port itself, one hop less per streamed token)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    # The default repeats ServeArgs' (this module must not import Ray); tests/serve/test_config_sources.py holds
+    # The default repeats ServeArgs' (this module must not import Ray); tests/router/test_config_sources.py holds
     # every serve flag's default equal to ServeArgs'.
     parser.add_argument("--request-timeout-s", type=_seconds_or_none, default=1800.0,
                         help="end a request (queue + generation) after this many seconds: a 408, or an SSE error "

@@ -24,8 +24,8 @@ from ray import serve
 
 from benchmarks.soak import percentile, replica_actor_names
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import wait_until
-from tests.serve.streaming import Sample, StreamResult, StreamStarts, closed_loop, stream_completion
+from tests.router.conftest import wait_until
+from tests.router.streaming import Sample, StreamResult, StreamStarts, closed_loop, stream_completion
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,8 +16,8 @@ import pytest
 from benchmarks.soak import fleet_stats, replica_actor_names, wait_fleet_idle
 from tests.drills.conftest import write_artifact
 from tests.drills.test_drain import metric_sum
-from tests.serve.conftest import deploy, wait_until
-from tests.serve.streaming import Sample, closed_loop
+from tests.router.conftest import deploy, wait_until
+from tests.router.streaming import Sample, closed_loop
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,8 +25,8 @@ from schemathesis.checks import not_a_server_error
 from conveyor.router.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.serving.request import SamplingParams
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import deploy, engine_handle, engine_state, wait_until
-from tests.test_parse_deadline import one_mib_request
+from tests.router.conftest import deploy, engine_handle, engine_state, wait_until
+from tests.router.test_parse_deadline import one_mib_request
 
 pytestmark = pytest.mark.timeout(240)
 

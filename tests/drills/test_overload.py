@@ -19,7 +19,7 @@ import ray
 
 from benchmarks.soak import percentile
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import deploy, engine_state, wait_until
+from tests.router.conftest import deploy, engine_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

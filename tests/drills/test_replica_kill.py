@@ -1,4 +1,4 @@
-"""Replica kill under sustained load, beyond tests/serve/test_replicas.py (which checks that nothing is lost that
+"""Replica kill under sustained load, beyond tests/router/test_replicas.py (which checks that nothing is lost that
 had not started streaming): here the fleet must return to full strength (two RUNNING replicas, one of them new,
 serving traffic) within a deadline, and the latency of requests during the recovery window is reported next to
 the steady-state latency (drills/replica_kill.json: conftest.write_artifact)."""
@@ -14,8 +14,8 @@ from ray import serve
 
 from benchmarks.soak import is_idle, percentile, replica_actor_names, wait_fleet_idle
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import deploy, wait_until
-from tests.serve.streaming import Sample, closed_loop
+from tests.router.conftest import deploy, wait_until
+from tests.router.streaming import Sample, closed_loop
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.soak import OK_OUTCOMES, SoakConfig, replica_actor_names, run_soak
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import deploy
+from tests.router.conftest import deploy
 
 pytestmark = pytest.mark.timeout(240)
 

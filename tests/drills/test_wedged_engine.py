@@ -12,7 +12,7 @@ from ray import serve
 
 from benchmarks.soak import replica_actor_names
 from tests.drills.conftest import write_artifact
-from tests.serve.conftest import deploy, engine_handle, wait_until
+from tests.router.conftest import deploy, engine_handle, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
 
-from tests.serve.conftest import deploy, wait_until  # noqa: E402,F401 - re-exported
+from tests.router.conftest import deploy, wait_until  # noqa: E402,F401 - re-exported
 
 
 def free_port() -> int:
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def metrics_cluster(serve_cluster: str) -> str:
-    """The session's Serve proxy (tests/conftest.py)."""
+    """The session's Serve proxy (tests/router/conftest.py)."""
     return serve_cluster
 
 

@@ -2,10 +2,10 @@
 
 At batch 1-4 on a small CPU, the Python between a decode step's ~300 kernel calls (module calls, views, splits,
 the dispatcher's Python entry) costs about as much as the kernels that do not read weights. The C++ loop calls
-the same kernels in the same order on the same tensors, so its hidden states equal the module path's bit for bit
-(tests/test_decode_stack.py); only the glue goes. It covers what that glue would run for a CPU float32 model whose
-projections all multiply by GGUF blocks (models/gguf_weights.py), steps where every row is a decode and there
-are few enough rows for those blocks; every other step takes the module path.
+the same kernels in the same order on the same tensors, so its hidden states equal the module path's bit for
+bit (tests/serving/test_decode_stack.py); only the glue goes. It covers what that glue would run for a CPU float32
+model whose projections all multiply by GGUF blocks (models/gguf_weights.py), steps where every row is a decode
+and there are few enough rows for those blocks; every other step takes the module path.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.serve.conftest import _free_port, wait_until
+from tests.router.conftest import _free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -182,7 +182,7 @@ def test_an_argmax_only_batch_samples_the_tokens_of_the_general_path(tiny_model_
 def test_bfloat16_engine_on_cpu(tiny_model_dir):
     """dtype bfloat16 on CPU runs through chunked prefill and decodes: KV cache in bf16, linears packed for oneDNN
     where the CPU multiplies bf16 natively, every request to its length, every block back. (Its logits against
-    transformers: tests/test_model.py.)"""
+    transformers: tests/serving/test_model.py.)"""
     from conveyor.serving.models.cpu_packing import PackedLinear, packable_dtypes
 
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)

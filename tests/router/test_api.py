@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.serve.conftest import deploy, engine_handle, engine_state, wait_until
+from tests.router.conftest import deploy, engine_handle, engine_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,5 +1,5 @@
 """Stream multiplexing's two ends without Ray (router/mux.py, router/streams.py): the replica's batches, and the
-ingress putting records from two paths back in order. The real path is tested in tests/serve/test_api.py."""
+ingress putting records from two paths back in order. The real path is tested in tests/router/test_api.py."""
 from __future__ import annotations
 
 import asyncio

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from tests.serve.conftest import deploy
+from tests.router.conftest import deploy
 from tests.structured_cases import SCHEMA_CASES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -80,7 +80,7 @@ def test_parse_with_a_pydantic_model(client: OpenAI) -> None:
         assert isinstance(person, Person) and out.choices[0].finish_reason == "stop"
 
 
-# Short answers on the real model (tests/test_smollm2.py runs every test schema in process).
+# Short answers on the real model (tests/serving/test_smollm2.py runs every test schema in process).
 @pytest.mark.parametrize("case", [c for c in SCHEMA_CASES if c.name in ("primitives", "enums", "any_of")],
                          ids=lambda c: c.name)
 def test_json_schema_outputs_validate_streamed_and_not(client: OpenAI, case) -> None:

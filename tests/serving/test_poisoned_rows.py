@@ -140,7 +140,7 @@ def _masked_out(engine) -> SamplingParams:
 
 
 def test_a_masked_out_request_ends_with_error_and_its_neighbours_are_unchanged(engine) -> None:
-    from tests.test_structured_outputs import run
+    from tests.serving.test_structured_outputs import run
 
     neighbour = SamplingParams(max_tokens=12, temperature=1.0, seed=7, logprobs=2)
     alone = run(engine, [neighbour])
@@ -152,7 +152,7 @@ def test_a_masked_out_request_ends_with_error_and_its_neighbours_are_unchanged(e
 
 
 def test_a_request_masked_out_mid_stream_keeps_its_tokens_and_ends_with_error(engine) -> None:
-    from tests.test_structured_outputs import run
+    from tests.serving.test_structured_outputs import run
 
     vocab = engine.tokenizer.get_vocab()
     stops = tuple(vocab[t] for t in ("a", "b", "xa", "xb") if t in vocab)  # all but "x" masked at first

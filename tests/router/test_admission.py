@@ -7,7 +7,7 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from tests.serve.conftest import deploy, engine_state, wait_until
+from tests.router.conftest import deploy, engine_state, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

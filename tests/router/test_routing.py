@@ -200,7 +200,7 @@ APP_NAME = "conveyor-test-routing"
 
 @pytest.fixture(scope="module")
 def serve_instance() -> Iterator[None]:
-    """Reuse the cluster tests/serve/conftest.py started, if any; else start (and stop) our own."""
+    """Reuse the cluster tests/router/conftest.py started, if any; else start (and stop) our own."""
     import ray
     from ray import serve
 

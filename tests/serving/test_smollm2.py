@@ -78,7 +78,7 @@ def test_smollm2_answers_sensibly(model_dir):
 
 def test_smollm2_structured_outputs_validate_greedy_and_sampled(model_dir):
     """Every realistic test schema, greedy and sampled, in one mixed batch: each finished output parses and
-    validates; one cut at max_tokens is a prefix its grammar allowed (tests/test_structured_outputs.py checks
+    validates; one cut at max_tokens is a prefix its grammar allowed (tests/serving/test_structured_outputs.py checks
     that). 19 of 26 finished here; the rest are the 135M model repeating inside a long string until max_tokens."""
     import json
 

@@ -195,13 +195,13 @@ def test_the_engine_process_exits_with_its_parent(tiny_model_dir):
     script = textwrap.dedent(f"""
         import os, sys
         from conveyor.serving.engine_process import ProcessEngine
-        from tests.test_engine_process import _config
+        from tests.serving.test_engine_process import _config
         engine = ProcessEngine.from_config(_config({str(tiny_model_dir)!r}), 1)
         print(engine._process.pid, flush=True)
         os._exit(0)
     """)
     parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert parent.returncode == 0, parent.stderr[-2000:]
     child_pid = int(parent.stdout.split()[-1])
     assert _wait_for(lambda: not _alive(child_pid), timeout_s=15), f"engine process {child_pid} outlived its parent"

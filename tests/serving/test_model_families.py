@@ -1,6 +1,6 @@
 """Each supported family end to end through the engine: greedy tokens equal transformers' on a tiny random
 checkpoint that transformers' own classes built, through plain steps, chunked prefill mixed with decodes,
-preemption and prefix-cache hits. (Per-step logits against transformers: tests/test_model.py.)"""
+preemption and prefix-cache hits. (Per-step logits against transformers: tests/serving/test_model.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.models.decode_stack import unavailable_reason
-from tests.test_engine import PROMPTS
+from tests.serving.test_engine import PROMPTS
 from tests.tiny_model import build_tiny_model
 
-FAMILIES = ["qwen3"]  # llama and qwen2: tests/test_engine.py, tests/test_model.py
+FAMILIES = ["qwen3"]  # llama and qwen2: tests/serving/test_engine.py, tests/serving/test_model.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from tests.serve.conftest import deploy
-from tests.serve.streaming import StreamStarts, stream_completion
+from tests.router.conftest import deploy
+from tests.router.streaming import StreamStarts, stream_completion
 
 pytestmark = pytest.mark.timeout(240)
 
