@@ -59,7 +59,7 @@ def run_gpu_tests() -> dict:
 
     start = time.monotonic()
     code = pytest.main(["-m", "gpu", "-q", "-x", "--no-header", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "kernels"), str(ROOT / "tests" / "test_cuda_graphs.py")])
+                        str(ROOT / "tests" / "kernels"), str(ROOT / "tests" / "serving" / "test_cuda_graphs.py")])
     return {"exit_code": int(code), "seconds": round(time.monotonic() - start, 1)}
 
 

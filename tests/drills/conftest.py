@@ -1,5 +1,5 @@
 """Failure drills share the tests/router helpers (deploy, wait_until, engine_state) and the session's Serve
-(`serve_cluster`, tests/router/conftest.py)."""
+(`serve_cluster`, tests/conftest.py)."""
 from __future__ import annotations
 
 import json
