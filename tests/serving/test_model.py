@@ -203,8 +203,9 @@ def test_rejects_bad_inputs(tiny, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(path, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2",
+                                                   "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*supported: .*LlamaForCausalLM"):
         load_model(str(other), torch.float32, torch.device("cpu"))
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, MistralConfig, Qwen2Config
 
-from conveyor.serving.models.llama import LlamaForCausalLM, _head_dim, rope_inv_freq
+from conveyor.serving.models.llama import LlamaForCausalLM
 from conveyor.serving.models.loader import build_model, read_config
+from conveyor.serving.models.rotary import head_dim, rope_inv_freq
 
 # Every attribute conveyor/serving/ reads from a model config, with the default its getattr uses.
 READ = {"model_type": None, "hidden_size": None, "num_attention_heads": None, "num_hidden_layers": None,
@@ -21,7 +22,7 @@ READ = {"model_type": None, "hidden_size": None, "num_attention_heads": None, "n
 
 def as_read(config) -> dict:
     values = {key: getattr(config, key, default) for key, default in READ.items()}
-    return values | {"head_dim": _head_dim(config), "inv_freq": rope_inv_freq(config).tolist()}
+    return values | {"head_dim": head_dim(config), "inv_freq": rope_inv_freq(config).tolist()}
 
 
 def saved(tmp_path: Path, config) -> Path:

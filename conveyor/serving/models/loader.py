@@ -1,4 +1,5 @@
-"""Model name -> local HF safetensors dir -> our LlamaForCausalLM with weights, config and tokenizer."""
+"""Model name -> local HF safetensors dir -> our model (models/registry.py picks the class) with weights, config and
+tokenizer."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from conveyor.serving.models.base import CausalLM
 from conveyor.serving.models.hub import (
     SMOLLM2_ALIASES,
     cache_dir,
@@ -18,15 +20,13 @@ from conveyor.serving.models.hub import (
     log,
     pull_model,
 )
-from conveyor.serving.models.llama import LlamaForCausalLM
+from conveyor.serving.models.registry import architecture_of, model_class, supported_architectures
 from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-__all__ = ["cache_dir", "pull_model", "resolve_model_path", "load_model", "SUPPORTED_MODEL_TYPES"]
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["cache_dir", "pull_model", "resolve_model_path", "load_model", "supported_architectures"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -78,10 +78,10 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device,
-                attention_backend: str = "torch") -> LlamaForCausalLM:
+                attention_backend: str = "torch") -> CausalLM:
     """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend=attention_backend)
+        model = model_class(config)(config, attention_backend=attention_backend)
     _materialize(model, dtype, device)
     model.model.rotary_emb.reset_tables()  # the buffers are uninitialized memory
     return model
@@ -152,15 +152,12 @@ def read_config(path: Path) -> PretrainedConfig:
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
-               ) -> tuple[LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
+               ) -> tuple[CausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
     """Resolve, build, stream the weights in; the model is in eval mode with gradients off."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     config = read_config(path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        archs = getattr(config, "architectures", None)
-        raise ValueError(f"unsupported architecture {config.model_type!r} ({archs}); "
-                         f"supported model_type: {SUPPORTED_MODEL_TYPES}")
+    architecture_of(config)  # ValueError listing the supported architectures
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True):
         # Our paged attention is full causal: identical to the model's only while contexts fit the window.
