@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.engine_messages import (
     Abort,
     Add,
@@ -29,6 +30,7 @@ from conveyor.serving.engine_messages import (
 )
 from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
+from conveyor.serving.ttft_forecast import cached_prefix_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: i
     core = _Core(engine, conn)
     conn.send(Ready(core.info()))
     conn.send(LoadReport(core.load()))
+    core.inbox.start()
     try:
         core.run()
     except (EOFError, OSError, BrokenPipeError):
@@ -95,7 +98,8 @@ def per_request_state(engine: Any) -> dict[str, int]:
 class _Core:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
-        self.conn = conn
+        kv = engine.kv_cache
+        self.inbox = Inbox(conn, lambda token_ids: cached_prefix_tokens(kv.pool, kv.block_size, token_ids))
         self.num_adds_applied = 0
         self.handlers = {Add: self._add, Abort: self._abort, Query: self._query, Stall: self._stall}
 
@@ -108,7 +112,8 @@ class _Core:
     def load(self) -> CoreLoad:
         scheduler = self.engine.scheduler
         return CoreLoad(scheduler.num_waiting, scheduler.num_running, self.engine.kv_cache.usage,
-                        scheduler.max_queued_requests(), scheduler.expected_queue_wait_s(), self.num_adds_applied)
+                        scheduler.max_queued_requests(), scheduler.expected_queue_wait_s(),
+                        self.num_adds_applied + self.inbox.num_refused_early)
 
     def run(self) -> None:
         worked = False  # stepped or applied a message since the engine last went idle
@@ -117,14 +122,16 @@ class _Core:
                 if worked:  # just gone idle: nothing of the requests that ended may stay behind
                     self._release_finished()
                     worked = False
-                if not self.conn.poll(IDLE_POLL_S):
+                message = self.inbox.get(IDLE_POLL_S)
+                if message is None:
                     continue
+                self._apply(message)
             applied = self._drain()
             if self.engine.has_unfinished():
                 self._step()
                 worked = True
             elif applied:  # nothing to step (aborts, refusals): the parent's view must still move on
-                self.conn.send(LoadReport(self.load()))
+                self.inbox.send(LoadReport(self.load()))
                 worked = True
 
     def _release_finished(self) -> None:
@@ -141,16 +148,18 @@ class _Core:
             live = list(self.engine.scheduler.requests)
             self.engine.abort_requests(live)
             for request_id in live:
-                self.conn.send(Reject(request_id, "engine_error", f"engine step failed: {exc}"))
-            self.conn.send(LoadReport(self.load()))
+                self.inbox.send(Reject(request_id, "engine_error", f"engine step failed: {exc}"))
+            self.inbox.send(LoadReport(self.load()))
             return
-        self.conn.send(Step(outputs, stats, self.load()))
+        self.inbox.forecast = self.engine.scheduler.ttft_forecast()
+        self.inbox.send(Step(outputs, stats, self.load()))
 
     def _drain(self) -> int:
         applied = 0
-        while self.conn.poll():
-            self._apply(self.conn.recv())
+        while (message := self.inbox.get()) is not None:
+            self._apply(message)
             applied += 1
+        self.inbox.forecast = self.engine.scheduler.ttft_forecast()
         return applied
 
     def _apply(self, message: Any) -> None:
@@ -169,14 +178,14 @@ class _Core:
             if request_id is not None:
                 self._fail_request(request_id, exc)
             elif isinstance(message, Query):
-                self.conn.send(Reply(message.query_id, None))
+                self.inbox.send(Reply(message.query_id, None))
 
     def _fail_request(self, request_id: str, exc: Exception) -> None:
         try:
             self.engine.abort_requests([request_id])
         except Exception:  # noqa: BLE001 - the request may be half-added; what it holds is logged, not fatal
             logger.exception("aborting %s after a failure failed", request_id)
-        self.conn.send(Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
+        self.inbox.send(Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
 
     def _add(self, message: Add) -> None:
         self.num_adds_applied += 1
@@ -187,15 +196,15 @@ class _Core:
                                                validate_grammar=False)
             self.engine.add_request(request, process_outputs=False)
         except QueueFullError as exc:
-            self.conn.send(Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
+            self.inbox.send(Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:
-            self.conn.send(Reject(message.request_id, "invalid_request", str(exc)))
+            self.inbox.send(Reject(message.request_id, "invalid_request", str(exc)))
 
     def _abort(self, message: Abort) -> None:
         self.engine.abort_requests([message.request_id])
 
     def _query(self, message: Query) -> None:
-        self.conn.send(Reply(message.query_id, self._answer(message.name)))
+        self.inbox.send(Reply(message.query_id, self._answer(message.name)))
 
     def _stall(self, message: Stall) -> None:
         logger.warning("engine loop stalled for %.1f s on request (test hook)", message.seconds)

@@ -57,10 +57,6 @@ class KVCacheManager:
         self.num_prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def peek_num_cached_tokens(self, request: Request) -> int:
-        """What get_computed_blocks would find now, without counting a prefix-cache query (admission estimates)."""
-        return len(self._cached_prefix(request)) * self.block_size
-
     def _cached_prefix(self, request: Request) -> list[KVBlock]:
         if not self.enable_prefix_caching:
             return []

@@ -12,6 +12,7 @@ from conveyor.serving.outputs import ModelRunnerOutput, ScheduledChunk, Schedule
 from conveyor.serving.request import Request, RequestStatus
 from conveyor.serving.step_budget import StepBudget
 from conveyor.serving.step_cost import StepCostModel
+from conveyor.serving.ttft_forecast import TtftForecast, cached_prefix_tokens
 
 # QueueFullError.reason values; also the `reason` label of conveyor_requests_rejected_total.
 REFUSAL_REASONS = ("queue_full", "ttft_slo")
@@ -25,6 +26,12 @@ class QueueFullError(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.reason = reason
+
+
+def ttft_refusal(ttft_s: float, limit_s: float) -> QueueFullError:
+    return QueueFullError(f"predicted time to first token {ttft_s:.1f} s exceeds the {limit_s:.1f} s target "
+                          "(ttft_slo_ms x slo_headroom)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
+                          reason="ttft_slo")
 
 
 class Scheduler:
@@ -82,21 +89,28 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def ttft_forecast(self) -> TtftForecast | None:
+        """The predicted wait for a new request's first token ahead of its own prompt: the prefill of running
+        prompts and of the queue. None when TTFT admission is off, unfitted, or nothing is queued ahead (then
+        nothing is refused: a prompt too long for the target alone would miss it at any time)."""
+        if not self.budget.sheds_by_ttft:
+            return None
+        ahead = [(r.num_computed_tokens, r.num_tokens) for r in self.running if r.num_tokens_to_schedule > 1]
+        ahead += [(0, r.num_tokens) for r in self.waiting]
+        return self.budget.ttft_forecast(self.running, ahead) if ahead else None
+
     def _check_ttft(self, request: Request) -> None:
         """Refuse a request whose first token is predicted later than the TTFT target: the prefill queued ahead
         of it and its own uncached prompt, at the pace the step budget grants prefill."""
-        ahead = [(r.num_computed_tokens, r.num_tokens) for r in self.running if r.num_tokens_to_schedule > 1]
-        ahead += [(0, r.num_tokens) for r in self.waiting]
-        if not ahead:
-            return  # nothing to wait for: a prompt too long for the target alone would miss it at any time
-        ahead.append((self.kv_cache.peek_num_cached_tokens(request), request.num_tokens))
-        ttft_s = self.budget.predicted_ttft_s(self.running, ahead)
-        limit_s = self.budget.ttft_limit_s()
-        if ttft_s is not None and ttft_s > limit_s:
+        forecast = self.ttft_forecast()
+        if forecast is None:
+            return
+        # A read of the prefix cache that memoizes nothing: a refused request must leave no state behind.
+        cached = cached_prefix_tokens(self.kv_cache.pool, self.kv_cache.block_size, request.prompt_token_ids)
+        ttft_s = forecast.predict_s(cached, request.num_tokens)
+        if ttft_s > forecast.limit_s:
             self.num_refused_ttft += 1
-            raise QueueFullError(f"predicted time to first token {ttft_s:.1f} s exceeds the {limit_s:.1f} s target "
-                                 "(ttft_slo_ms x slo_headroom)", retry_after_s=min(ttft_s - limit_s + 1.0, 60.0),
-                                 reason="ttft_slo")
+            raise ttft_refusal(ttft_s, forecast.limit_s)
 
     def expected_queue_wait_s(self) -> float:
         """How long a request arriving now would wait for a batch slot: the running requests free theirs

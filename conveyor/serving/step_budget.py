@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.request import Request
-from conveyor.serving.step_cost import StepCostModel
+from conveyor.serving.step_cost import KV_SCALE, StepCostModel
+from conveyor.serving.ttft_forecast import TtftForecast
 
 # Token budget while the step-cost model is still learning: small and safe.
 COLD_START_BUDGET = 64
@@ -105,12 +106,11 @@ class StepBudget:
         return all((self.step_cost.predict_tail if tail else self.step_cost.predict)(num_seqs, num_seqs, kv_reads)
                    <= target_s for target_s, tail in self._targets())
 
-    def predicted_ttft_s(self, running: Sequence[Request], backlog: Sequence[tuple[int, int]]) -> float | None:
-        """How long until the backlog's prefill (the (start, end) token ranges queued ahead of a new request, then
-        its own uncached prompt) is computed, at the pace this budget grants prefill beside today's decodes; None
-        until the step-cost model has a fit. The cost model is linear, so the sum over the steps is exact for it:
-        each step's fixed and decode costs, plus every backlog token and the KV rows its prompt's causal prefix
-        reads, whatever the chunking."""
+    def ttft_forecast(self, running: Sequence[Request], backlog: Sequence[tuple[int, int]]) -> TtftForecast | None:
+        """The wait for a new request's first token before its own prompt: the backlog's prefill (the (start, end)
+        token ranges queued ahead of it) at the pace this budget grants prefill beside today's decodes, each step's
+        fixed and decode costs, every backlog token and the KV rows its prompt's causal prefix reads. None until
+        the step-cost model has a fit."""
         if not self.step_cost.ready:
             return None
         num_decodes = sum(1 for r in running if r.num_tokens_to_schedule <= 1)
@@ -119,11 +119,13 @@ class StepBudget:
         step_tokens = min(self.config.max_num_batched_tokens,
                           max(self._fits(num_decodes, num_seqs, decode_kv_reads, 0),
                               num_decodes + self.config.min_prefill_tokens))
-        num_tokens = sum(end - start for start, end in backlog)
-        num_steps = math.ceil(num_tokens / max(step_tokens - num_decodes, 1))
-        prefill_kv_reads = sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in backlog)
-        return self.step_cost.predict_sum(num_steps, num_steps * num_decodes + num_tokens, num_steps * num_seqs,
-                                          num_steps * decode_kv_reads + prefill_kv_reads)
+        a, b, c, d = self.step_cost.coefficients()
+        return TtftForecast(
+            coef=(a, b, c, d * KV_SCALE), num_decodes=num_decodes, decode_kv_reads=decode_kv_reads,
+            num_seqs=num_seqs, prefill_per_step=max(step_tokens - num_decodes, 1),
+            backlog_tokens=sum(end - start for start, end in backlog),
+            backlog_kv_reads=sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in backlog),
+            limit_s=self.ttft_limit_s())
 
     def ttft_limit_s(self) -> float:
         return self.config.ttft_slo_ms / 1000 * self.config.slo_headroom

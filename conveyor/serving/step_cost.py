@@ -86,6 +86,12 @@ class StepCostModel:
         a, b, c, d = self._coef
         return a + b * num_tokens + c * num_seqs + d * kv_reads * KV_SCALE
 
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, b, c, d) of the current fit: t = a + b * num_tokens + c * num_seqs + d * kv_reads * KV_SCALE."""
+        if self._coef is None:
+            raise RuntimeError("no fit yet")
+        return tuple(self._coef)
+
     def predict_sum(self, num_steps: int, num_tokens: int, num_seqs: int, kv_reads: int = 0) -> float:
         """The predicted time of num_steps steps that together carry these totals (the model is linear)."""
         if self._coef is None:
