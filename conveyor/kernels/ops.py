@@ -112,6 +112,30 @@ def _fp8_backend(backend: str, cache_dtype: torch.dtype) -> str:
     return backend
 
 
+# The backends whose kernels take a sliding window and logit soft-capping; the others send such steps to torch.
+OPTION_BACKENDS = ("reference", "torch")
+
+
+def check_options(backend: str, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> None:
+    """ValueError for an attention option out of range, or one `backend` cannot honour."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+
+
+def _options_backend(backend: str, sliding_window: int | None, logits_soft_cap: float | None) -> str:
+    """Backends outside OPTION_BACKENDS send a step with a window or soft cap to torch."""
+    if (sliding_window is not None or logits_soft_cap is not None) and backend not in OPTION_BACKENDS:
+        _warn_once(f"{backend}: no sliding window / logit soft-capping in its kernels yet; using torch")
+        return "torch"
+    return backend
+
+
 def _fallback_backend(device: torch.device) -> str:
     """Where cuda/flash send the steps they cannot run."""
     return "triton" if _triton_usable(device) else "torch"
@@ -149,8 +173,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, *, max_query_len: int, max_seq_len: int,
                     seq_lens_list: list[int] | None = None, query_lens_list: list[int] | None = None,
                     backend: str = "torch", finite_cache: bool = False,
-                    plan: CpuStepPlan | None = None) -> torch.Tensor:
+                    plan: CpuStepPlan | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal paged attention of packed varlen queries [T, H, D]; see reference.paged_attention.
+
+    sliding_window W: a query at position p attends keys p - W < j <= p (transformers' mask); blocks wholly
+    before every query's window are never read. logits_soft_cap c: scores = c * tanh(scores / c) (Gemma 2).
 
     finite_cache: the caller guarantees that cache slots no sequence uses hold finite values (a zero-initialized
     cache), which lets the torch backend skip masking them out of the value gather.
@@ -158,8 +186,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     if backend == "reference":
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                         query_start_loc, scale)
-    backend = _fp8_backend(backend, key_cache.dtype)
+                                         query_start_loc, scale, sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
+    backend = _options_backend(_fp8_backend(backend, key_cache.dtype), sliding_window, logits_soft_cap)
     if backend == "cuda":
         out = _cuda_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_query_len,
                            max_seq_len)
@@ -192,7 +221,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return torch_native.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                         query_start_loc,
                                         scale, seq_lens_list=seq_lens_list, query_lens_list=query_lens_list,
-                                        finite_cache=finite_cache)
+                                        finite_cache=finite_cache, sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap)
 
 
 def uses_cpu_plan(backend: str, max_query_len: int) -> bool:

@@ -39,13 +39,23 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
+def first_visible_position(position: int, sliding_window: int | None) -> int:
+    """The earliest key position a query at `position` attends: 0, or position - window + 1 with a window
+    (transformers' sliding-window mask: key j is visible when position - window < j <= position)."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, H, D] over each sequence's cached context.
 
     The q_len queries of sequence i are its last q_len positions, so query j (0-based) sits at position
-    seq_len - q_len + j and attends to positions 0..that. Computed in float32; returns query's dtype.
+    p = seq_len - q_len + j and attends to positions 0..p; with sliding_window W only to p - W < k <= p.
+    logits_soft_cap c: scores = c * tanh(scale * q.k / c) before masking and softmax (Gemma 2).
+    Only the blocks holding visible positions are read: the others may be freed or unmapped.
+    Computed in float32; returns query's dtype.
     """
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -57,12 +67,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if q_len == 0:
             continue
         q = query[q_start:q_end].float()  # [q, H, D]
-        k = gather_context(key_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        v = gather_context(value_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        block_size = key_cache.shape[1]
+        first_block = first_visible_position(seq_len - q_len, sliding_window) // block_size
+        start = first_block * block_size
+        table = block_tables[i, first_block:]
+        k = gather_context(key_cache, table, seq_len - start).float().repeat_interleave(group, dim=1)
+        v = gather_context(value_cache, table, seq_len - start).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(start, seq_len).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels.reference import FP8_DTYPES, to_cache_dtype
+from conveyor.kernels.reference import FP8_DTYPES, first_visible_position, to_cache_dtype
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -41,25 +41,36 @@ _CHUNK_BYTES = 1 << 20
 
 def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens_list: list[int], scale: float,
-                  finite_cache: bool = False) -> torch.Tensor:
-    """Attention for B single-token queries [B, H, D] at once; returns [B, H, D] in query's dtype."""
+                  finite_cache: bool = False, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Attention for B single-token queries [B, H, D] at once; returns [B, H, D] in query's dtype.
+
+    With a sliding window each sequence's gather starts at the block holding its first visible position, so
+    blocks before the window are never read (they may be freed)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    max_len = max(seq_lens_list)
-    num_blocks = (max_len + block_size - 1) // block_size
+    device = query.device
+    lens = torch.tensor(seq_lens_list, dtype=torch.long, device=device)
+    used = (lens + block_size - 1) // block_size
+    if sliding_window is None:
+        first = torch.zeros_like(lens)
+    else:
+        first = (lens - sliding_window).clamp_min(0) // block_size
+    num_blocks = int((used - first).max())
     padded_len = num_blocks * block_size
-    lens = torch.tensor(seq_lens_list, dtype=torch.long, device=query.device)
     # Table entries past a sequence's last block may be stale or padding: point them at block 0 so the
     # gather stays in bounds; the positions they yield are masked out below.
-    used = (lens + block_size - 1) // block_size
-    cols = torch.arange(num_blocks, device=query.device)
-    tables = block_tables[:, :num_blocks].long()
-    tables = torch.where(cols.unsqueeze(0) < used.unsqueeze(1), tables, torch.zeros_like(tables))
-    pad = torch.arange(padded_len, device=query.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, S]
+    cols = first.unsqueeze(1) + torch.arange(num_blocks, device=device).unsqueeze(0)  # [B, nb]
+    inside = cols < used.unsqueeze(1)
+    tables = block_tables.long().gather(1, torch.where(inside, cols, torch.zeros_like(cols)))
+    tables = torch.where(inside, tables, torch.zeros_like(tables))
+    positions = first.unsqueeze(1) * block_size + torch.arange(padded_len, device=device).unsqueeze(0)  # [B, S]
+    pad = positions >= lens.unsqueeze(1)
+    hidden = pad if sliding_window is None else pad | (positions <= (lens - 1 - sliding_window).unsqueeze(1))
     # Compute in at least fp32 like the reference (bf16 matmuls are also very slow on CPU).
     dtype = torch.promote_types(query.dtype, torch.float32)
-    out = torch.empty(batch, num_heads, head_dim, dtype=dtype, device=query.device)
+    out = torch.empty(batch, num_heads, head_dim, dtype=dtype, device=device)
     seq_bytes = padded_len * num_kv_heads * head_dim * dtype.itemsize
     chunk = max(1, _CHUNK_BYTES // seq_bytes)
     for c in range(0, batch, chunk):
@@ -73,7 +84,9 @@ def _decode_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         # Query heads h = kvh * group + g share kv head kvh (the reference's repeat_interleave order).
         q = query[c:c + n].reshape(n * num_kv_heads, group, head_dim).to(dtype)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(n, num_kv_heads, group, padded_len)
-        scores.masked_fill_(pad[c:c + n, None, None, :], float("-inf"))
+        if logits_soft_cap is not None:
+            scores = scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+        scores.masked_fill_(hidden[c:c + n, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(n * num_kv_heads, group, padded_len)
         out[c:c + n] = torch.bmm(probs, v).view(n, num_heads, head_dim)
     return out.to(query.dtype)
@@ -88,17 +101,26 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence's q_len queries [q, H, D] over its context; returns [q, H, D]."""
+                 table: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's q_len queries [q, H, D] over its context; returns [q, H, D]. Blocks
+    wholly before the first query's window are not read."""
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
+    first_block = first_visible_position(seq_len - q_len, sliding_window) // block_size
+    start = first_block * block_size
     num_blocks = (seq_len + block_size - 1) // block_size
-    table = table[:num_blocks].long()
+    table = table[first_block:num_blocks].long()
     # SDPA wants one dtype: a cache narrower than the model is widened to the query's.
-    k = key_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)  # [KVH, S, D]
-    v = value_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1).to(query.dtype)
+    k = key_cache.index_select(0, table).flatten(0, 1)[:seq_len - start].transpose(0, 1).to(query.dtype)
+    v = value_cache.index_select(0, table).flatten(0, 1)[:seq_len - start].transpose(0, 1).to(query.dtype)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-    mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(start, seq_len, device=query.device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    if logits_soft_cap is not None:
+        return _soft_capped(query, k, v, mask, scale, logits_soft_cap)
     # enable_gqa lets SDPA share each KV head across its query group instead of materializing the repeats:
     # at a 2k context that halves the cost of a prefill chunk's attention on CPU.
     o = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -106,11 +128,28 @@ def _prefill_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return o[0].transpose(0, 1)
 
 
+def _soft_capped(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 cap: float) -> torch.Tensor:
+    """Attention with cap * tanh(scores / cap) between the product and the mask (SDPA has no such hook).
+    query [q, H, D], k/v [KVH, S, D], mask [q, S] -> [q, H, D]."""
+    num_kv_heads = k.shape[0]
+    group = query.shape[1] // num_kv_heads
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    q = query.transpose(0, 1).reshape(num_kv_heads, group * query.shape[0], -1).to(dtype)  # [KVH, g*q, D]
+    scores = torch.bmm(q, k.to(dtype).transpose(1, 2)).mul_(scale).div_(cap).tanh_().mul_(cap)
+    scores = scores.view(num_kv_heads, group, query.shape[0], -1).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * query.shape[0], -1)
+    out = torch.bmm(probs, v.to(dtype)).view(query.shape[1], query.shape[0], -1)
+    return out.transpose(0, 1).to(query.dtype)
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, seq_lens_list: list[int] | None = None,
-                    query_lens_list: list[int] | None = None, finite_cache: bool = False) -> torch.Tensor:
+                    query_lens_list: list[int] | None = None, finite_cache: bool = False,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention; the *_list args spare a device sync when given."""
+    options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if seq_lens_list is None:
         seq_lens_list = seq_lens.tolist()
     if query_lens_list is None:
@@ -122,13 +161,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     decode = [i for i, q_len in enumerate(query_lens_list) if q_len == 1]
     if len(decode) == len(query_lens_list) and decode:
         # Pure decode step: query rows are already the batch, in order.
-        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale, finite_cache))
+        out.copy_(_decode_batch(query, key_cache, value_cache, block_tables, seq_lens_list, scale, finite_cache,
+                                **options))
         return out
     if len(decode) >= 2:  # a lone decode row is cheaper through SDPA than through the padded batch
         rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=query.device)
         index = torch.tensor(decode, dtype=torch.long, device=query.device)
         out[rows] = _decode_batch(query[rows], key_cache, value_cache, block_tables[index],
-                                  [seq_lens_list[i] for i in decode], scale, finite_cache)
+                                  [seq_lens_list[i] for i in decode], scale, finite_cache, **options)
         decode_set = set(decode)
     else:
         decode_set = set()
@@ -137,5 +177,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             continue
         start = starts[i]
         out[start:start + q_len] = _prefill_one(query[start:start + q_len], key_cache, value_cache,
-                                                block_tables[i], seq_len, scale)
+                                                block_tables[i], seq_len, scale, **options)
     return out

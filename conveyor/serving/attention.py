@@ -32,12 +32,22 @@ class AttentionMetadata:
 
 
 class PagedAttention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch") -> None:
+    """Paged attention with its options: scale (default head_dim ** -0.5), sliding_window (a query at position p
+    attends keys p - window < j <= p, as transformers' sliding-window mask) and logits_soft_cap (scores =
+    cap * tanh(scores / cap) before the mask, as Gemma 2). ValueError at construction for an option out of
+    range or one the backend cannot honour."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch", *,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        ops.check_options(backend, sliding_window, logits_soft_cap)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.backend = backend
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,5 +66,6 @@ class PagedAttention(torch.nn.Module):
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             seq_lens_list=meta.seq_lens_list, query_lens_list=meta.query_lens_list, backend=self.backend,
-            finite_cache=meta.finite_cache, plan=meta.cpu_plan)
+            finite_cache=meta.finite_cache, plan=meta.cpu_plan, sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

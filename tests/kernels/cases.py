@@ -23,6 +23,8 @@ class PagedCase:
     scale: float
     seq_lens_list: list[int]
     query_lens_list: list[int]
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     def args(self) -> tuple:
         return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
@@ -31,7 +33,12 @@ class PagedCase:
     def kwargs(self) -> dict:
         return {"max_query_len": max(self.query_lens_list, default=0),
                 "max_seq_len": max(self.seq_lens_list, default=0),
-                "seq_lens_list": self.seq_lens_list, "query_lens_list": self.query_lens_list}
+                "seq_lens_list": self.seq_lens_list, "query_lens_list": self.query_lens_list,
+                **{k: v for k, v in self.options().items() if v is not None}}
+
+    def options(self) -> dict:
+        """The attention options (the reference takes these keywords too)."""
+        return {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap}
 
     def to(self, dtype: torch.dtype) -> PagedCase:
         """The same case with query and caches cast (e.g. float64 for a reference)."""
@@ -41,11 +48,14 @@ class PagedCase:
 
 def make_case(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              seed: int = 0, spare_blocks: int = 3, poison_tail: bool = True) -> PagedCase:
+              seed: int = 0, spare_blocks: int = 3, poison_tail: bool = True, sliding_window: int | None = None,
+              logits_soft_cap: float | None = None) -> PagedCase:
     """specs: (q_len, seq_len) per sequence; q_len == 1 is a decode, q_len == seq_len a fresh prefill.
 
     Blocks are handed out in a random order. Cache positions past each seq_len (the tail of its last block,
-    and spare blocks) hold NaN when poison_tail, so a kernel that lets them reach its output fails.
+    and spare blocks) hold NaN when poison_tail, so a kernel that lets them reach its output fails. With a
+    sliding window, table entries of blocks wholly before the first query's window are BAD_BLOCK (as the engine
+    frees them): a kernel that reads them fails. logits_soft_cap: scores also scaled up so the cap bites.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(s / block_size) for _, s in specs]
@@ -74,6 +84,12 @@ def make_case(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     for q in q_lens:
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
+    if logits_soft_cap is not None:
+        query *= 4.0  # scores of several times the cap: without it the tanh is nearly linear
+    if sliding_window is not None:
+        for i, (q_len, seq_len) in enumerate(specs):
+            dead_positions = max(0, seq_len - q_len - sliding_window + 1)  # keys before the first query's window
+            tables[i, :dead_positions // block_size] = BAD_BLOCK
     return PagedCase(
         query=query.to(device=device, dtype=dtype),
         key_cache=key_cache.to(device=device, dtype=dtype),
@@ -84,6 +100,8 @@ def make_case(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
         scale=head_dim ** -0.5,
         seq_lens_list=seq_lens,
         query_lens_list=q_lens,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
 
 
@@ -119,3 +137,9 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfl
 # block 4: the chunk starts mid-block), an idle sequence (q_len 0), ragged lengths.
 MIXED_SPECS = [(1, 7), (5, 5), (3, 9), (1, 1), (0, 4), (4, 13)]
 DECODE_SPECS = [(1, 7), (1, 1), (1, 16), (1, 33), (1, 5)]
+
+# Windows against MIXED_SPECS / DECODE_SPECS and WINDOW_SPECS: shorter than a block, a few blocks, and longer
+# than every context (no position hidden).
+WINDOWS = [3, 8, 64]
+# Long contexts where the window hides most of the context, in decode and chunked prefill.
+WINDOW_SPECS = [(1, 40), (6, 37), (17, 17), (1, 9), (12, 50), (0, 20)]
