@@ -132,23 +132,27 @@ def has_op(name: str) -> bool:
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [B, H, D] -> [B, H, D] in query's dtype.
 
-    Table entries past a sequence's last block are never read. Tables and lengths are cast to contiguous int32
-    (free when they already are).
+    Table entries past a sequence's last block, or before the block of its window's first position, are never
+    read. Tables and lengths are cast to contiguous int32 (free when they already are). Options as
+    reference.paged_attention's.
     """
     query = query.contiguous()
     if out is None:
         out = torch.empty_like(query)
     load().paged_decode(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
-                        seq_lens.to(torch.int32).contiguous(), float(scale))
+                        seq_lens.to(torch.int32).contiguous(), float(scale), sliding_window or 0,
+                        float(logits_soft_cap or 0.0))
     return out
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor,
-                  query_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  query_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of packed prefill chunks: chunk i is query rows [query_starts[i], + query_lens[i]),
     ending at position seq_lens[i] - 1 of its sequence; K/V come from the paged caches. query [T, H, D] ->
     [T, H, D]; rows outside every chunk are left as they are in `out`.
@@ -158,7 +162,8 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         out = torch.empty_like(query)
     load()
     as_int = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_starts, query_lens)]
-    torch.ops.conveyor_cpu.paged_prefill(out, query, key_cache, value_cache, *as_int, float(scale))
+    torch.ops.conveyor_cpu.paged_prefill(out, query, key_cache, value_cache, *as_int, float(scale),
+                                         sliding_window or 0, float(logits_soft_cap or 0.0))
     return out
 
 

@@ -70,17 +70,20 @@ def plan_step(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[
 
 
 def run_plan(cpu_ext, query: torch.Tensor, key_cache: torch.Tensor,  # noqa: ANN001 - the extension module
-             value_cache: torch.Tensor, plan: CpuStepPlan, scale: float) -> torch.Tensor:
-    """Attention of one step's packed query rows [T, H, D] by the plan; returns [T, H, D]."""
+             value_cache: torch.Tensor, plan: CpuStepPlan, scale: float, **options) -> torch.Tensor:
+    """Attention of one step's packed query rows [T, H, D] by the plan; returns [T, H, D]. options:
+    sliding_window and logits_soft_cap; each decode row is windowed by its own context length, so a short chunk
+    split into rows keeps the window of every position."""
     query = query.contiguous()
     out = torch.empty_like(query)
     if plan.decode_tables is not None:
         if plan.decode_index is None:
-            cpu_ext.paged_decode(query, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale, out=out)
+            cpu_ext.paged_decode(query, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale, out=out,
+                                 **options)
         else:
             rows = cpu_ext.paged_decode(query.index_select(0, plan.decode_index), key_cache, value_cache,
-                                        plan.decode_tables, plan.decode_lens, scale)
+                                        plan.decode_tables, plan.decode_lens, scale, **options)
             out.index_copy_(0, plan.decode_index, rows)
     if plan.prefill is not None:
-        cpu_ext.paged_prefill(query, key_cache, value_cache, *plan.prefill, scale, out=out)
+        cpu_ext.paged_prefill(query, key_cache, value_cache, *plan.prefill, scale, out=out, **options)
     return out

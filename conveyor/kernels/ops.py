@@ -113,7 +113,7 @@ def _fp8_backend(backend: str, cache_dtype: torch.dtype) -> str:
 
 
 # The backends whose kernels take a sliding window and logit soft-capping; the others send such steps to torch.
-OPTION_BACKENDS = ("reference", "torch")
+OPTION_BACKENDS = ("reference", "torch", "cpu")
 
 
 def check_options(backend: str, sliding_window: int | None = None,
@@ -210,11 +210,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                          max_seq_len=max_seq_len)
     if backend == "cpu":
         if _cpu_usable():
+            options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
             if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:  # pure decode: skip the row split
-                return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+                return _cpu_ext().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                               **options)
             if plan is None:
                 plan = cpu_step_plan(block_tables, query_start_loc, seq_lens, query_lens_list, seq_lens_list)
-            return cpu_plan.run_plan(_cpu_ext(), query, key_cache, value_cache, plan, scale)
+            return cpu_plan.run_plan(_cpu_ext(), query, key_cache, value_cache, plan, scale, **options)
         backend = "torch"
     if backend != "torch":
         raise ValueError(f"unknown attention backend {backend!r}")

@@ -104,3 +104,18 @@ def test_paged_attention_layer_options() -> None:
             PagedAttention(4, 2, 8, "torch", **bad)
     with pytest.raises(ValueError, match="unknown attention backend"):
         PagedAttention(4, 2, 8, "tensorrt")
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU extension cannot be built here")
+@pytest.mark.parametrize(("window", "cap"), [(50, None), (130, 10.0), (1000, None)])
+def test_cpu_long_contexts(window: int, cap: float | None) -> None:
+    """Windows across the prefill kernel's 64-key tiles and its query tiles, and a decode whose context the
+    decode kernel splits into partitions (a lone long sequence), the first starting mid-block."""
+    case = make_case([(100, 300), (70, 70), (1, 1500), (1, 900)], 8, 2, head_dim=64, block_size=16, seed=5,
+                     sliding_window=window, logits_soft_cap=cap)
+    out = ops.paged_attention(*case.args(), **case.kwargs(), backend="cpu")
+    assert rel_err(out, reference.paged_attention(*case.to(torch.float64).args(), **case.options())) < 1e-4
+    decode = make_case([(1, 2000)], 8, 2, head_dim=64, block_size=16, seed=6, sliding_window=window,
+                       logits_soft_cap=cap)
+    out = ops.paged_attention(*decode.args(), **decode.kwargs(), backend="cpu")
+    assert rel_err(out, reference.paged_attention(*decode.to(torch.float64).args(), **decode.options())) < 1e-4

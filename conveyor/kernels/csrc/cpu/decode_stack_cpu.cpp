@@ -34,7 +34,7 @@ using RopeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, i
 using SiluAndMulFn = at::Tensor(const at::Tensor&);
 using WriteKvFn = void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using DecodeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, double);
+                      const at::Tensor&, double, int64_t, double);
 
 // The registered kernels, looked up once.
 struct Kernels {
@@ -97,7 +97,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
     k.write_kv.call(key, value, key_caches[layer], value_caches[layer], slot_mapping);
     const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({tokens, num_heads, head_dim}).contiguous();
     at::Tensor attn = at::empty_like(query);
-    k.decode.call(attn, query, key_caches[layer], value_caches[layer], block_tables, seq_lens, scale);
+    k.decode.call(attn, query, key_caches[layer], value_caches[layer], block_tables, seq_lens, scale, 0, 0.0);
     x = linear(k, attn.view({tokens, q_size}), w + 5, types[1], max_rows(types[1]));
     k.add_rms_norm.call(x, residual, w[1], eps);
     const at::Tensor act = k.silu_and_mul.call(linear(k, x, w + 8, types[2], max_rows(types[2])));

@@ -16,6 +16,10 @@
 // Softmax: two-pass within a task. Scores of the task's positions go to a thread-local buffer; then max,
 // exp and sum over that buffer; then the probability-weighted V sum. All math is fp32.
 //
+// Options: a sliding window W starts a sequence's context at position len - W (the query at len - 1 sees
+// len - W .. len - 1, transformers' mask), so blocks wholly before it are neither read nor checked (the engine
+// may have freed them); logit soft-capping c turns each score s into c * tanh(s / c) before the softmax.
+//
 // Dtypes: queries/out and the cache may differ (queries float32, bfloat16 or float16; the cache one of those or
 // fp8 e4m3fn / e5m2): a bf16 cache for an fp32 model halves the bytes a decode step reads, an fp8 cache quarters
 // them, and rows widen to fp32 in registers as they load (load_row). The cache write converts rows where the
@@ -57,7 +61,7 @@ struct Geometry {
 };
 
 struct Task {
-  int64_t seq, begin, end;  // positions [begin, end) of the context
+  int64_t seq, begin, end;  // positions [begin, end) of the context (begin > 0 under a sliding window)
   int64_t partial;          // -1: the task covers the whole context; else its slot in the partials
 };
 
@@ -174,7 +178,16 @@ struct TaskView {
   const TC *k, *v;
   const int64_t* offset;
   int64_t n, kv_heads, group, d;
+  float soft_cap;  // 0: none
 };
+
+// scores[0, n) = cap * tanh(scores / cap).
+inline void soft_cap_row(float* scores, int64_t n, float cap) {
+  const Vec vcap(cap), inv(1.f / cap);
+  int64_t t = 0;
+  for (; t + kVec <= n; t += kVec) ((Vec::loadu(scores + t) * inv).tanh() * vcap).store(scores + t);
+  for (; t < n; ++t) scores[t] = cap * std::tanh(scores[t] / cap);
+}
 
 // Software prefetch of the tiles ahead: blocks sit at random places in the cache, so the hardware prefetcher
 // loses the stream at every block boundary, and once K/V outgrow the L3 (a 30-layer model's cache always does)
@@ -389,6 +402,7 @@ void attend(const TaskView<TC>& x, float* scores, float* acc, float* maxes, floa
       });
   // Pass 2: softmax numerators; V's first tiles load meanwhile.
   prefetch_first(x.v);
+  if (x.soft_cap > 0.f) soft_cap_row(scores, heads * x.n, x.soft_cap);  // rows are [heads, n], contiguous
   softmax_rows(scores, heads, x.n, maxes, sums);
   // Pass 3: probability-weighted V rows.
   std::fill(acc, acc + heads * x.d, 0.f);
@@ -438,7 +452,7 @@ struct Scratch {
 // cache (TC) is read in place, each row widened in registers (load_row).
 template <typename TQ, typename TC>
 void run_task(const Task& task, const TQ* query, const TC* key_cache, const TC* value_cache, const int32_t* tables,
-              float scale, const Geometry& g, Scratch& s) {
+              float scale, float soft_cap, const Geometry& g, Scratch& s) {
   const int64_t n = task.end - task.begin;
   s.fit(g, n);
   // Folding the scale into q spares a multiply per score.
@@ -452,7 +466,7 @@ void run_task(const Task& task, const TQ* query, const TC* key_cache, const TC* 
     int64_t at = table[block] * block_stride + (pos - block * block_size) * row_stride;
     for (; pos < end; ++pos, at += row_stride) offset[pos - task.begin] = at;
   }
-  const TaskView<TC> view{s.q.data(), key_cache, value_cache, offset, n, g.kv_heads, g.group, g.head_dim};
+  const TaskView<TC> view{s.q.data(), key_cache, value_cache, offset, n, g.kv_heads, g.group, g.head_dim, soft_cap};
   attend_any(view, s.scores.data(), s.acc.data(), s.maxes.data(), s.sums.data());
 }
 
@@ -461,11 +475,17 @@ void store_row(T* dst, const float* src, float factor, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * factor);
 }
 
-// Tasks for every sequence: contexts longer than the partition length are split into near-equal partitions
-// that start on block boundaries. Tasks of one sequence are adjacent, in context order.
-std::vector<Task> plan(const std::vector<int64_t>& lens, const Geometry& g, int64_t* num_partials) {
+// The first position a decode over a context of len positions attends: len - window with a window (> 0).
+inline int64_t first_visible(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+// Tasks for every sequence: the attended part of a context, [first_visible, len), is split into near-equal
+// partitions when longer than the partition length; every partition but the first starts on a block boundary.
+// Tasks of one sequence are adjacent, in context order.
+std::vector<Task> plan(const std::vector<int64_t>& lens, int64_t window, const Geometry& g, int64_t* num_partials) {
   int64_t total = 0;
-  for (int64_t len : lens) total += len;
+  for (int64_t len : lens) total += len - first_visible(len, window);
   const int64_t target = kTasksPerThread * at::get_num_threads();
   const int64_t limit = std::max(kMinPartition, (total + target - 1) / target);
   std::vector<Task> tasks;
@@ -473,11 +493,14 @@ std::vector<Task> plan(const std::vector<int64_t>& lens, const Geometry& g, int6
   for (int64_t i = 0; i < g.batch; ++i) {
     const int64_t len = lens[i];
     if (len == 0) continue;
-    const int64_t parts = (len + limit - 1) / limit;
-    const int64_t blocks = (len + g.block_size - 1) / g.block_size;
+    const int64_t first = first_visible(len, window);
+    const int64_t aligned = first / g.block_size * g.block_size;
+    const int64_t parts = (len - first + limit - 1) / limit;
+    const int64_t blocks = (len - aligned + g.block_size - 1) / g.block_size;
     const int64_t part = (blocks + parts - 1) / parts * g.block_size;
-    for (int64_t begin = 0; begin < len; begin += part) {
-      tasks.push_back({i, begin, std::min(len, begin + part), parts > 1 ? (*num_partials)++ : -1});
+    for (int64_t begin = first; begin < len; begin = (begin - aligned) / part * part + part + aligned) {
+      const int64_t end = std::min(len, (begin - aligned) / part * part + part + aligned);
+      tasks.push_back({i, begin, end, parts > 1 ? (*num_partials)++ : -1});
     }
   }
   return tasks;
@@ -486,9 +509,10 @@ std::vector<Task> plan(const std::vector<int64_t>& lens, const Geometry& g, int6
 template <typename T, typename TC>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
-                       const std::vector<int64_t>& lens, float scale, const Geometry& g) {
+                       const std::vector<int64_t>& lens, float scale, int64_t window, float soft_cap,
+                       const Geometry& g) {
   int64_t num_partials = 0;
-  const std::vector<Task> tasks = plan(lens, g, &num_partials);
+  const std::vector<Task> tasks = plan(lens, window, g, &num_partials);
   const int64_t hd = g.heads * g.head_dim;
   // Partial results: [num_partials, heads] max and sum, [num_partials, heads, head_dim] accumulators.
   std::vector<float> part_max(num_partials * g.heads), part_sum(num_partials * g.heads);
@@ -503,7 +527,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tenso
     thread_local Scratch s;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
-      run_task(task, q_ptr, k_ptr, v_ptr, table_ptr, scale, g, s);
+      run_task(task, q_ptr, k_ptr, v_ptr, table_ptr, scale, soft_cap, g, s);
       if (task.partial < 0) {
         for (int64_t h = 0; h < g.heads; ++h) {
           store_row(out_ptr + task.seq * hd + h * g.head_dim, s.acc.data() + h * g.head_dim, 1.f / s.sums[h],
@@ -558,8 +582,9 @@ void check_cache(const at::Tensor& cache, const char* name) {
 }
 
 // Host copies of seq_lens, checked against the table width; every table entry a sequence uses must name a
-// real block (entries past its last block may hold anything and are never read).
-std::vector<int64_t> checked_lens(const at::Tensor& block_tables, const at::Tensor& seq_lens, const Geometry& g) {
+// real block (entries past its last block, or before its window's first, may hold anything and are never read).
+std::vector<int64_t> checked_lens(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
+                                  const Geometry& g) {
   const int32_t* lens_ptr = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   std::vector<int64_t> lens(g.batch);
@@ -568,7 +593,7 @@ std::vector<int64_t> checked_lens(const at::Tensor& block_tables, const at::Tens
     TORCH_CHECK(lens[i] >= 0 && lens[i] <= g.max_blocks * g.block_size, "seq_lens[", i, "] = ", lens[i],
                 " is outside [0, max_blocks * block_size = ", g.max_blocks * g.block_size, "]");
     const int64_t used = (lens[i] + g.block_size - 1) / g.block_size;
-    for (int64_t b = 0; b < used; ++b) {
+    for (int64_t b = first_visible(lens[i], window) / g.block_size; b < used; ++b) {
       const int64_t block = tables[i * g.max_blocks + b];
       TORCH_CHECK(block >= 0 && block < g.num_blocks, "block_tables[", i, ", ", b, "] = ", block,
                   " is not a block of the cache (", g.num_blocks, " blocks)");
@@ -579,8 +604,9 @@ std::vector<int64_t> checked_lens(const at::Tensor& block_tables, const at::Tens
 
 void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                  double scale) {
+                  double scale, int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), "query and out must be CPU tensors");
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0, "sliding_window and soft_cap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3, "query must be [batch, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must match query ", query.sizes());
@@ -619,12 +645,13 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
               g.batch, " rows (one per query)");
   g.group = g.heads / g.kv_heads;
   if (g.batch == 0) return;
-  const std::vector<int64_t> lens = checked_lens(block_tables, seq_lens, g);
+  const std::vector<int64_t> lens = checked_lens(block_tables, seq_lens, sliding_window, g);
   // The cache may be narrower than the queries (a bf16 or fp8 cache for an fp32 model): any pair.
   conveyor_cpu::with_attention_dtype(query.scalar_type(), [&](auto q_tag) {
     conveyor_cpu::with_cache_dtype(key_cache.scalar_type(), [&](auto c_tag) {
       paged_decode_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
-          out, query, key_cache, value_cache, block_tables, lens, scale, g);
+          out, query, key_cache, value_cache, block_tables, lens, scale, sliding_window,
+          static_cast<float>(soft_cap), g);
     });
   });
 }
@@ -710,7 +737,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 // Also as torch ops, so C++ callers (decode_stack_cpu.cpp) reach them through the dispatcher.
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> ()");
+        "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
@@ -723,7 +750,7 @@ TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (one query token per sequence)", py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
   m.def("write_kv_cache", &write_kv_cache, "Scatter key/value rows into the paged caches (slot < 0 skips)",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));
 }

@@ -9,6 +9,10 @@
 // query row is position seq_lens[i] - 1 of its sequence (the chunk continues a context of seq_lens - query_lens
 // cached tokens). Cache [num_blocks, block_size, KVH, D]; query head h = kvh * group + g reads kv head kvh.
 //
+// Options: with a sliding window W, row position p attends keys (p - W, p]: a task's key tiles start at its first
+// row's first visible key, so blocks wholly before the chunk's window are neither read nor checked (the engine may
+// have freed them). Logit soft-capping c turns each score s into c * tanh(s / c) before the softmax.
+//
 // Work split: one task per (chunk, kv head, tile of up to kMaxQueries query positions). A task's rows are its
 // positions x the group's query heads, so each K/V tile it packs (converted to fp32, K transposed) serves all of
 // those rows. Tasks go to threads dynamically, costliest first (the last tiles of a chunk see the longest context).
@@ -47,6 +51,14 @@ static_assert(kKeyVecs % kColVecs == 0, "a key tile must be whole column blocks"
 
 struct Chunk {
   int64_t start, q_len, seq_len, table_row;
+};
+
+// The attention options (0: none).
+struct Options {
+  int64_t window;
+  float soft_cap;
+  // The first key position a query at position p attends.
+  int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 };
 
 struct Task {
@@ -139,14 +151,22 @@ struct Geometry {
   int64_t row_stride() const { return kv_heads * head_dim; }
 };
 
-// Online-softmax update of row r with its scores s[0, valid): rescales o[r] and turns s into probabilities
-// (zero past valid, so the weighted sum can run over the whole tile).
-inline void softmax_row(float* s, int64_t valid, int64_t n, float& max_so_far, float& sum, float* o, int64_t d) {
-  if (valid <= 0) {
+// Online-softmax update of row r with its scores s[lo, valid) (soft-capped first when soft_cap > 0): rescales
+// o[r] and turns s into probabilities (zero outside [lo, valid), so the weighted sum can run over the whole tile).
+inline void softmax_row(float* s, int64_t lo, int64_t valid, int64_t n, float soft_cap, float& max_so_far,
+                        float& sum, float* o, int64_t d) {
+  if (valid <= lo) {
     std::fill(s, s + n, 0.f);
     return;
   }
-  int64_t j = 0;
+  std::fill(s, s + lo, 0.f);
+  if (soft_cap > 0.f) {
+    const Vec vcap(soft_cap), inv(1.f / soft_cap);
+    int64_t t = lo;
+    for (; t + kVec <= valid; t += kVec) ((Vec::loadu(s + t) * inv).tanh() * vcap).store(s + t);
+    for (; t < valid; ++t) s[t] = soft_cap * std::tanh(s[t] / soft_cap);
+  }
+  int64_t j = lo;
   Vec vmax(max_so_far);
   for (; j + kVec <= valid; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
   float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
@@ -158,7 +178,7 @@ inline void softmax_row(float* s, int64_t valid, int64_t n, float& max_so_far, f
     for (; k < d; ++k) o[k] *= rescale;
   }
   Vec vsum(0.f);
-  for (j = 0; j + kVec <= valid; j += kVec) {
+  for (j = lo; j + kVec <= valid; j += kVec) {
     const Vec e = (Vec::loadu(s + j) - Vec(m)).exp_u20();
     e.store(s + j);
     vsum = vsum + e;
@@ -175,7 +195,7 @@ inline void softmax_row(float* s, int64_t valid, int64_t n, float& max_so_far, f
 
 template <typename T, typename TC>
 void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_cache, const TC* value_cache,
-              const int32_t* tables, T* out, float scale, const Geometry& g, Scratch& sc) {
+              const int32_t* tables, T* out, float scale, const Options& opt, const Geometry& g, Scratch& sc) {
   const int64_t d = g.head_dim;
   const int64_t count = task.count;
   const int64_t rows = count * g.group;
@@ -191,7 +211,8 @@ void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_ca
   std::fill(sc.maxes.begin(), sc.maxes.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(sc.sums.begin(), sc.sums.begin() + rows, 0.f);
   const int64_t num_keys = context + task.first + count;  // causal: the last row sees keys [0, num_keys)
-  for (int64_t j0 = 0; j0 < num_keys; j0 += kKeys) {
+  // The first row sees keys from first_key on (0 without a window): earlier tiles are never packed.
+  for (int64_t j0 = opt.first_key(context + task.first); j0 < num_keys; j0 += kKeys) {
     const int64_t n = std::min(kKeys, num_keys - j0);
     // Pack the tile: K transposed (zero past n), V as rows, both fp32.
     for (int64_t j = 0; j < kKeys; ++j) {
@@ -222,7 +243,9 @@ void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_ca
     for (; r < rows; ++r) score_rows<1>(sc.q.data() + r * d, d, sc.kt.data(), keys_of(r), sc.s.data() + r * kKeys);
     for (r = 0; r < rows; ++r) {
       const int64_t valid = std::min(n, sc.pos[r] - j0 + 1);
-      softmax_row(sc.s.data() + r * kKeys, valid, n, sc.maxes[r], sc.sums[r], sc.o.data() + r * d, d);
+      const int64_t lo = std::clamp<int64_t>(opt.first_key(sc.pos[r]) - j0, 0, n);
+      softmax_row(sc.s.data() + r * kKeys, lo, valid, n, opt.soft_cap, sc.maxes[r], sc.sums[r], sc.o.data() + r * d,
+                  d);
     }
     // Probabilities are zero past each row's count (softmax_row), so a block sums over its last row's keys.
     for (r = 0; r + kRowBlock <= rows; r += kRowBlock) {
@@ -245,7 +268,7 @@ void run_task(const Task& task, const Chunk& c, const T* query, const TC* key_ca
 template <typename T, typename TC>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables, const std::vector<Chunk>& chunks,
-                  double scale, const Geometry& g) {
+                  double scale, const Options& opt, const Geometry& g) {
   const int64_t threads = at::get_num_threads();
   int64_t per_task = kMaxQueries;
   for (; per_task > kMinQueries; per_task /= 2) {
@@ -258,7 +281,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     const Chunk& c = chunks[ci];
     for (int64_t first = 0; first < c.q_len; first += per_task) {
       const int64_t count = std::min(per_task, c.q_len - first);
-      const int64_t cost = count * (c.seq_len - c.q_len + first + count);
+      const int64_t last = c.seq_len - c.q_len + first + count;  // keys the task's last row sees, windowed or not
+      const int64_t cost = count * (last - opt.first_key(c.seq_len - c.q_len + first));
       for (int64_t h = 0; h < g.kv_heads; ++h) tasks.push_back({ci, h, first, count, cost});
     }
   }
@@ -276,7 +300,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     sc.fit(per_task * g.group, g.head_dim);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = next.fetch_add(1); k < num_tasks; k = next.fetch_add(1)) {
-        run_task<T, TC>(tasks[k], chunks[tasks[k].chunk], q, kc, vc, tables, o, static_cast<float>(scale), g, sc);
+        run_task<T, TC>(tasks[k], chunks[tasks[k].chunk], q, kc, vc, tables, o, static_cast<float>(scale), opt, g,
+                        sc);
       }
     }
   });
@@ -284,8 +309,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const at::Tensor& query_starts, const at::Tensor& query_lens, double scale) {
+                   const at::Tensor& query_starts, const at::Tensor& query_lens, double scale, int64_t sliding_window,
+                   double soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu(), "query and out must be CPU tensors");
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0, "sliding_window and soft_cap must be >= 0 (0: none)");
+  const Options opt{sliding_window, static_cast<float>(soft_cap)};
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes(),
               "query and out must be contiguous [tokens, num_heads, head_dim] tensors of one shape");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -322,7 +350,7 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
                 " do not fit the query");
     const int64_t blocks = (lens[i] + g.block_size - 1) / g.block_size;
     TORCH_CHECK(blocks <= g.max_blocks, "chunk ", i, ": seq_len ", lens[i], " needs more blocks than its table has");
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = opt.first_key(lens[i] - qlens[i]) / g.block_size; b < blocks; ++b) {
       const int32_t block = tables[i * g.max_blocks + b];
       TORCH_CHECK(block >= 0 && block < key_cache.size(0), "block_tables[", i, ", ", b, "] = ", block,
                   " is not a block of the cache");
@@ -334,7 +362,7 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
   conveyor_cpu::with_attention_dtype(t, [&](auto q_tag) {
     conveyor_cpu::with_cache_dtype(tc, [&](auto c_tag) {
       prefill_impl<typename decltype(q_tag)::type, typename decltype(c_tag)::type>(
-          out, query, key_cache, value_cache, block_tables, chunks, scale, g);
+          out, query, key_cache, value_cache, block_tables, chunks, scale, opt, g);
     });
   });
 }
@@ -343,7 +371,8 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& ke
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("paged_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_starts, Tensor query_lens, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_starts, Tensor query_lens, float scale, int sliding_window=0, "
+        "float soft_cap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
