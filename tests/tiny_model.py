@@ -40,6 +40,11 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "use_sliding_window": False}),
+    # 8 experts, top-2 weights as the router gives them; layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
+        "mlp_only_layers": [1], "use_sliding_window": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -60,7 +65,7 @@ def build_tiny_model(path: Path, family: str, *, seed: int = 0, **config_overrid
     # Spread the logits so greedy decoding has clear winners instead of near-ties between code paths.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # stacked experts are [E, out, in]
                 p.mul_(4.0)
             elif "q_norm" in name or "k_norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape))  # ones would hide a norm applied to the wrong axis

@@ -12,7 +12,8 @@ from conveyor.serving.models.decode_stack import unavailable_reason
 from tests.serving.test_engine import PROMPTS
 from tests.tiny_model import build_tiny_model
 
-FAMILIES = ["qwen3"]  # llama and qwen2: tests/serving/test_engine.py, tests/serving/test_model.py
+# llama and qwen2: tests/serving/test_engine.py, tests/serving/test_model.py
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from conveyor.kernels import cpu_ext, gguf
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.models.gguf_weights import GGUFLinear
+from conveyor.serving.models.moe import MoEBlock
 
 _PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -25,6 +26,8 @@ def unavailable_reason(model: nn.Module) -> str | None:
         return "the CPU extension did not build"
     if not model.model.fused:  # true exactly where the attention backend is "cpu" and the extension loaded
         return "the model does not use the CPU kernels (attention backend is not 'cpu')"
+    if any(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers):
+        return "the C++ decode loop has no mixture-of-experts layers"
     if model.model.layers[0].self_attn.has_qk_norm:
         return "the C++ decode loop has no query/key head norms (Qwen3)"
     for layer in model.model.layers:

@@ -14,7 +14,7 @@ from conveyor.serving.models.base import CausalLM
 from conveyor.serving.models.layers import Attention, GatedMLP, RMSNorm
 from conveyor.serving.models.rotary import RotaryEmbedding
 
-QK_NORM_MODEL_TYPES = ("qwen3",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def llama_attention(config, backend: str, fused: bool) -> Attention:

@@ -1,0 +1,194 @@
+"""The mixture-of-experts block (Qwen3-MoE, Mixtral): a top-k router and experts run as grouped matrix multiplies.
+
+Each token goes to its top_k experts by router softmax probability (renormalized over the chosen k where the
+family does so); the T * top_k (token, expert) rows are sorted by expert, so each expert's rows are one contiguous
+group, and gate_up then down run as one grouped matmul each over all groups (torch's grouped_mm where this
+device and dtype have it, else one matmul per expert over its group; never a loop over tokens). The rows go back to
+token order and each token sums its k weighted results.
+
+Expert weights are stacked as transformers 5 holds them in memory: gate_up_proj [E, 2 * I, H] (gate rows first),
+down_proj [E, H, I]. Checkpoints store one tensor per expert and projection (`experts.{e}.gate_proj.weight`, or
+Mixtral's `experts.{e}.w1.weight`); MoELoading maps each onto its slice of the stacked parameter.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from conveyor.kernels import cpu_fused
+from conveyor.serving.models.base import CausalLM
+
+# checkpoint projection name -> (our stacked parameter, shard: 0 gate / 1 up rows of gate_up_proj, None whole)
+EXPERT_SHARDS: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),  # Mixtral
+}
+_EXPERT_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+_STACKED = (".experts.gate_up_proj", ".experts.down_proj")  # transformers 5's in-memory names, and ours
+EXPERT_ACTIVATIONS = ("silu",)  # every MoE family served (Qwen3-MoE, Mixtral)
+
+
+def num_experts(config) -> int:
+    """Qwen3-MoE checkpoints name it num_experts; Mixtral's, and transformers 5's for both, num_local_experts."""
+    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not count:
+        raise ValueError("a mixture-of-experts config needs num_experts or num_local_experts")
+    return int(count)
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """[T, E] logits -> (weights [T, top_k] in the logits' dtype, expert ids int64 [T, top_k]); the softmax runs
+    in float32, as transformers does, so both pick the same experts."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), experts
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether F.grouped_mm runs here for these sizes (CPU: any dtype with 16-byte aligned rows; CUDA: bf16 on
+    recent GPUs): one tiny probe per (device, dtype, sizes), outside any CUDA graph capture."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        offs = torch.tensor([1, 2], dtype=torch.int32, device=device)
+        for k, n in ((hidden, 2 * intermediate), (intermediate, hidden)):
+            weight = torch.zeros(2, n, k, dtype=dtype, device=device).transpose(1, 2)  # stored [E, out, in]
+            F.grouped_mm(torch.zeros(2, k, dtype=dtype, device=device), weight, offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class Router(nn.Module):
+    """The gate: a plain [E, H] weight, kept out of oneDNN packing (pack_linears packs nn.Linear only) so the
+    routing logits, and with them the experts chosen at near-ties, are computed exactly as transformers does."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """num_experts SiLU-gated MLPs, weights stacked; forward runs the routed rows grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fused: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate = num_experts, hidden_size, intermediate_size
+        self.fused = fused  # SiLU-and-mul in one C++ pass (conveyor/kernels/cpu_fused.py)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """x [T, H], experts int64 [T, k], weights [T, k] -> [T, H]: sum over k of weight * expert(x)."""
+        num_tokens, top_k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # row r of the grouped input is (token, slot) order[r] of the flat list
+        rows = x[order // top_k]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        gate_up = self._grouped(rows, self.gate_up_proj, counts)
+        if self.fused:
+            hidden = cpu_fused.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = F.silu(gate) * up
+        out = self._grouped(hidden, self.down_proj, counts) * weights.flatten()[order, None]
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+
+    def _grouped(self, rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+        """rows sorted by expert, counts[e] of them for expert e -> rows @ weight[e].T for each group."""
+        if grouped_mm_supported(rows.device, rows.dtype, self.hidden_size, self.intermediate):
+            offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync, CUDA-graph safe
+            return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
+        out = rows.new_empty(rows.shape[0], weight.shape[1])
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # a loop over experts, each a matmul over its group
+            if count:
+                torch.matmul(rows[start:start + count], weight[expert].t(), out=out[start:start + count])
+            start += count
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Router + experts; a drop-in for a decoder layer's MLP ([T, H] -> [T, H])."""
+
+    def __init__(self, config, fused: bool = False, *, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", None) or "silu"
+        if act not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r} for experts; supported: {EXPERT_ACTIVATIONS}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Router(config.hidden_size, num_experts)
+        self.experts = Experts(num_experts, config.hidden_size, intermediate_size, fused)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, experts, weights)
+
+
+def numbered_layers(make_layer: Callable[[object, str, bool, int], nn.Module]) -> Callable[..., nn.Module]:
+    """A layer_cls for LlamaModel, which calls it once per layer in order, that passes make_layer the layer's
+    index too (Qwen3-MoE picks dense or sparse MLPs by index)."""
+    index = itertools.count()
+    return lambda config, backend, fused: make_layer(config, backend, fused, next(index))
+
+
+class MoECausalLM(CausalLM):
+    """Loads per-expert checkpoint tensors into the stacked expert parameters; stacked checkpoint tensors (named
+    as ours, `...experts.gate_up_proj`) load whole."""
+
+    def _expert_slot(self, name: str) -> tuple[str, int, int | None] | None:
+        """'...experts.3.up_proj.weight' -> ('...experts.gate_up_proj', 3, 1); None for other names."""
+        match = _EXPERT_NAME.fullmatch(name)
+        if match is None or match["proj"] not in EXPERT_SHARDS:
+            return None
+        param, shard = EXPERT_SHARDS[match["proj"]]
+        return f"{match['prefix']}.{param}", int(match["expert"]), shard
+
+    def _fused_name(self, name: str) -> str:
+        slot = self._expert_slot(name)
+        return super()._fused_name(name) if slot is None else slot[0]
+
+    def _target(self, name: str, params: dict[str, Tensor]) -> tuple[Tensor, tuple | slice]:
+        slot = self._expert_slot(name)
+        if slot is None:
+            if name.endswith(_STACKED):
+                self._expert_slices.add((name, None, None))
+            return super()._target(name, params)
+        ours, expert, shard = slot
+        if ours not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        experts = self.get_submodule(ours.rsplit(".", 1)[0])
+        if expert >= experts.num_experts:
+            raise ValueError(f"{name}: expert {expert} of a block with {experts.num_experts}")
+        self._expert_slices.add((ours, expert, shard))
+        size = experts.intermediate
+        return params[ours], (expert, slice(None) if shard is None else slice(shard * size, (shard + 1) * size))
+
+    def load_weights(self, weights) -> None:
+        """As CausalLM's, and every expert's every projection must arrive (a missing one would stay garbage)."""
+        self._expert_slices: set[tuple[str, int | None, int | None]] = set()
+        super().load_weights(weights)
+        for name, module in self.named_modules():
+            if isinstance(module, Experts):
+                for param, shards in (("gate_up_proj", (0, 1)), ("down_proj", (None,))):
+                    ours = f"{name}.{param}"
+                    want = {(ours, e, s) for e in range(module.num_experts) for s in shards}
+                    if (ours, None, None) not in self._expert_slices and not want <= self._expert_slices:
+                        raise ValueError(f"checkpoint lacks some experts' weights for {ours}")
