@@ -87,13 +87,17 @@ def num_partitions_for(max_seq_len: int, num_seqs: int, num_kv_heads: int,
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                  out: torch.Tensor | None = None, num_partitions: int | None = None,
-                 partition_size: int = PARTITION_SIZE) -> torch.Tensor:
+                 partition_size: int = PARTITION_SIZE, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [S, H, D] -> [S, H, D].
 
-    num_partitions: None picks split-K by the heuristic; 1 forces one pass; it must cover max_seq_len.
+    num_partitions: None picks split-K by the heuristic; 1 forces one pass; it must cover max_seq_len (or the
+    window, which is where partitions start counting). Options as reference.paged_attention's.
     """
     if out is None:
         out = torch.empty_like(query)
+    if sliding_window is not None:
+        max_seq_len = min(max_seq_len, sliding_window)
     if num_partitions is None:
         num_partitions = num_partitions_for(max_seq_len, query.shape[0], key_cache.shape[2], partition_size)
     if num_partitions == 1:
@@ -101,7 +105,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     elif num_partitions * partition_size < max_seq_len:
         raise ValueError(f"{num_partitions} partitions of {partition_size} do not cover {max_seq_len}")
     load().paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size,
-                        num_partitions)
+                        num_partitions, sliding_window or 0, float(logits_soft_cap or 0.0))
     return out
 
 

@@ -10,6 +10,8 @@ required dependency. API differences, checked against the public sources:
 - flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...,
   block_table=None): key lengths as cumulative `cu_seqlens_k`; upstream requires the paged block size to be a
   multiple of 256.
+Both take window_size=(left, right) (key j visible to query i when i - left <= j <= i + right: a sliding window
+W is (W - 1, 0), and the kernel skips blocks before it) and, from flash_attn 2.6, softcap (0: none).
 Both align the causal mask bottom-right (query j of a q_len chunk sees keys up to seq_len - q_len + j), which
 is
 the reference's convention. Keyword arguments throughout, since the positional orders differ.
@@ -51,10 +53,27 @@ def supports(block_size: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and block_size % block_size_multiple() == 0
 
 
+def options_unsupported(sliding_window: int | None, logits_soft_cap: float | None) -> str | None:
+    """Why the installed implementation cannot honour these options, or None when it can (or none is set)."""
+    impl = _impl()
+    if impl is None:
+        return None  # nothing installed: the backend is unavailable anyway
+    params = inspect.signature(impl[1]).parameters
+    if sliding_window is not None and "window_size" not in params:
+        return f"{impl[0]}.flash_attn_varlen_func has no window_size"
+    if logits_soft_cap is not None and "softcap" not in params:
+        return f"{impl[0]}.flash_attn_varlen_func has no softcap (flash_attn >= 2.6 has)"
+    return None
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, *, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, *, max_query_len: int, max_seq_len: int, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention (fp16/bf16 only, as FlashAttention)."""
+    reason = options_unsupported(sliding_window, logits_soft_cap)
+    if reason is not None:
+        raise ValueError(f"flash backend: {reason}")
     impl = _impl()
     if impl is None:
         raise RuntimeError("flash backend unavailable: neither vllm_flash_attn nor flash_attn is importable")
@@ -63,6 +82,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     kwargs = dict(q=query, k=key_cache, v=value_cache, cu_seqlens_q=query_start_loc,
                   max_seqlen_q=max_query_len,
                   max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True, block_table=block_tables)
+    if sliding_window is not None:
+        kwargs["window_size"] = (sliding_window - 1, 0)
+    if logits_soft_cap is not None:
+        kwargs["softcap"] = logits_soft_cap
     if "seqused_k" in params:
         kwargs["seqused_k"] = seq_lens
         if "cu_seqlens_k" in params and params["cu_seqlens_k"].default is inspect.Parameter.empty:

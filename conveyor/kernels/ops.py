@@ -112,13 +112,11 @@ def _fp8_backend(backend: str, cache_dtype: torch.dtype) -> str:
     return backend
 
 
-# The backends whose kernels take a sliding window and logit soft-capping; the others send such steps to torch.
-OPTION_BACKENDS = ("reference", "torch", "cpu")
-
-
 def check_options(backend: str, sliding_window: int | None = None,
                   logits_soft_cap: float | None = None) -> None:
-    """ValueError for an attention option out of range, or one `backend` cannot honour."""
+    """ValueError for an attention option out of range, or one `backend` cannot honour. Every backend's kernels
+    take a sliding window and soft cap (and every fallback between backends keeps them); only an installed
+    FlashAttention too old for them cannot."""
     if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) != sliding_window
                                        or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
@@ -126,14 +124,10 @@ def check_options(backend: str, sliding_window: int | None = None,
         raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-
-
-def _options_backend(backend: str, sliding_window: int | None, logits_soft_cap: float | None) -> str:
-    """Backends outside OPTION_BACKENDS send a step with a window or soft cap to torch."""
-    if (sliding_window is not None or logits_soft_cap is not None) and backend not in OPTION_BACKENDS:
-        _warn_once(f"{backend}: no sliding window / logit soft-capping in its kernels yet; using torch")
-        return "torch"
-    return backend
+    if backend == "flash" and (sliding_window is not None or logits_soft_cap is not None):
+        reason = _flash().options_unsupported(sliding_window, logits_soft_cap)
+        if reason is not None:
+            raise ValueError(f"attention backend {backend!r} cannot honour the options: {reason}")
 
 
 def _fallback_backend(device: torch.device) -> str:
@@ -188,10 +182,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, sliding_window=sliding_window,
                                          logits_soft_cap=logits_soft_cap)
-    backend = _options_backend(_fp8_backend(backend, key_cache.dtype), sliding_window, logits_soft_cap)
+    backend = _fp8_backend(backend, key_cache.dtype)
     if backend == "cuda":
         out = _cuda_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_query_len,
-                           max_seq_len)
+                           max_seq_len, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         if out is not None:
             return out
         backend = _fallback_backend(query.device)
@@ -200,14 +194,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if flash.supports(key_cache.shape[1], query.dtype) and key_cache.dtype == query.dtype:
             return flash.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, max_query_len=max_query_len,
-                                         max_seq_len=max_seq_len)
+                                         max_seq_len=max_seq_len, sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
         _warn_once(f"flash: block size {key_cache.shape[1]} / {query.dtype} query / {key_cache.dtype} cache "
                    "unsupported; using triton")
         backend = _fallback_backend(query.device)
     if backend == "triton":
         return _triton().paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, max_query_len=max_query_len,
-                                         max_seq_len=max_seq_len)
+                                         max_seq_len=max_seq_len, sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
     if backend == "cpu":
         if _cpu_usable():
             options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
@@ -255,7 +251,7 @@ def _cpu_usable() -> bool:
 
 def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                 max_seq_len: int) -> torch.Tensor | None:
+                 max_seq_len: int, **options) -> torch.Tensor | None:
     """The CUDA decode kernel's answer, or None when this step is not one it handles."""
     decode_only = max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
     cuda_ext = _cuda_ext()
@@ -265,7 +261,7 @@ def _cuda_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         return None
     try:
         return cuda_ext.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                     max_seq_len)
+                                     max_seq_len, **options)
     except RuntimeError as exc:
         if "unavailable" not in str(exc) and "Error building" not in str(exc):
             raise

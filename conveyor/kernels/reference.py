@@ -76,8 +76,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if logits_soft_cap is not None:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(start, seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(start, seq_len, device=query.device).unsqueeze(0)
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window

@@ -7,6 +7,10 @@ walks
 the sequence's context in BLOCK_N-position tiles, looking each position's block up in the block table (so any
 power-of-two block size works, including block sizes smaller than the tile), with an fp32 online softmax.
 
+Options: with a sliding window (window > 0) a row at position p attends (p - window, p], and a program starts its
+walk at its first row's first visible position, so blocks wholly before the window are never read; logit
+soft-capping (soft_cap > 0) turns scores into soft_cap * tanh(scores / soft_cap) before the softmax.
+
 Under TRITON_INTERPRET=1 (CPU tests) operands are upcast to fp32 right after loading: the interpreter's bf16
 arithmetic is wrong. On a GPU, bf16/fp16 operands go to tl.dot natively (tensor cores, fp32 accumulation) and
 fp32 operands use IEEE precision rather than tf32, so fp32 checks stay tight.
@@ -27,6 +31,8 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel uses exp2
+    window,  # sliding window (positions), used when HAS_WINDOW
+    soft_cap,  # logit soft cap * log2(e), used when HAS_SOFT_CAP
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -41,6 +47,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size (power of two)
     COMPUTE_DTYPE: tl.constexpr,  # dtype fed to tl.dot
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,8 +81,11 @@ def _paged_attention_kernel(
     # The last row of the tile sees positions up to context_start + its token: no later position is needed.
     last_tok = tl.minimum(tile_start + BLOCK_M, q_len)
     kv_end = context_start + last_tok
+    kv_start = 0
+    if HAS_WINDOW:  # the first row sees nothing before its window: neither do the others
+        kv_start = tl.maximum(context_start + tile_start - window + 1, 0)
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         pos = start_n + offs_n
         pos_ok = pos < kv_end  # never past seq_len, so the block-table column is in range
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -84,7 +95,13 @@ def _paged_attention_kernel(
                   + kv_head * stride_kh + offs_d[None, :])
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFT_CAP:
+            # Scores and soft_cap are both in log2 units (times log2(e)), where c * tanh(s / c) is the same map.
+            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends (exp overflows to inf: 1; underflows to 0: -1).
+            scores = soft_cap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / soft_cap)) + 1.0))
         causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if HAS_WINDOW:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(causal, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -149,7 +166,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, *, max_query_len: int, max_seq_len: int,
                     seq_lens_list: list[int] | None = None, query_lens_list: list[int] | None = None,
                     block_m: int | None = None, block_n: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_attention; the *_list args are accepted for the ops signature only."""
     del max_seq_len, seq_lens_list, query_lens_list  # the kernel reads lengths on the device
     num_tokens, num_heads, head_dim = query.shape
@@ -183,7 +201,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * _LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -192,6 +210,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
     )
     return out
 

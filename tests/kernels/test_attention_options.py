@@ -119,3 +119,45 @@ def test_cpu_long_contexts(window: int, cap: float | None) -> None:
                        logits_soft_cap=cap)
     out = ops.paged_attention(*decode.args(), **decode.kwargs(), backend="cpu")
     assert rel_err(out, reference.paged_attention(*decode.to(torch.float64).args(), **decode.options())) < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("window", "cap"), [(3, None), (8, 5.0), (None, 5.0)])
+def test_triton_matches_reference(block_size: int, window: int | None, cap: float | None) -> None:
+    """Triton's kernel (its CPU interpreter here, compiled on a GPU) on decodes and chunks beside each other."""
+    if "triton" not in ops.available_backends("cuda" if torch.cuda.is_available() else "cpu"):
+        pytest.skip("triton not importable or not interpreting")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = make_case(WINDOW_SPECS, 4, 2, head_dim=16, block_size=block_size, seed=block_size, device=device,
+                     sliding_window=window, logits_soft_cap=cap)
+    out = ops.paged_attention(*case.args(), **case.kwargs(), backend="triton")
+    ref = reference.paged_attention(*case.to(torch.float64).args(), **case.options())
+    assert rel_err(out.cpu(), ref.cpu()) < 1e-4
+
+
+def test_flash_gets_window_and_softcap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash_attn_varlen_func receives window_size=(window - 1, 0) (its window counts keys left of the query)
+    and softcap; an installed version without softcap fails at construction, not silently."""
+    from conveyor.kernels import flash
+
+    seen: dict = {}
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,  # noqa: ANN001, ANN202
+               causal=False, window_size=(-1, -1), softcap=0.0, block_table=None):
+        seen.update(window_size=window_size, softcap=softcap)
+        return q
+
+    monkeypatch.setattr(flash, "_impl", lambda: ("flash_attn", varlen))
+    case = make_case(DECODE_SPECS, 4, 2, head_dim=8, block_size=4, sliding_window=6, logits_soft_cap=2.0)
+    flash.paged_attention(*case.args(), max_query_len=1, max_seq_len=33, **case.options())
+    assert seen == {"window_size": (5, 0), "softcap": 2.0}
+    PagedAttention(4, 2, 8, "flash", sliding_window=6, logits_soft_cap=2.0)  # accepted
+
+    def old_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size=(-1, -1),  # noqa: ANN001, ANN202
+                   block_table=None):
+        return q
+
+    monkeypatch.setattr(flash, "_impl", lambda: ("flash_attn", old_varlen))
+    with pytest.raises(ValueError, match="softcap"):
+        PagedAttention(4, 2, 8, "flash", logits_soft_cap=2.0)
+    PagedAttention(4, 2, 8, "flash", sliding_window=6)

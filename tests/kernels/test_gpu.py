@@ -99,3 +99,34 @@ def test_backend_reads_a_bf16_cache_under_fp32_queries(backend: str, specs: list
     written = slots >= 0
     flat = kc.view(-1, 8, 128)
     torch.testing.assert_close(flat[slots[written]].float(), key[written].bfloat16().float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize(("window", "cap"), [(100, None), (700, 30.0), (None, 30.0)])
+@pytest.mark.parametrize("specs", [MIXED_SPECS + [(40, 300)], DECODE_LONG], ids=["mixed", "decode"])
+def test_backend_options(backend: str, window: int | None, cap: float | None, specs: list[tuple[int, int]]) -> None:
+    """Sliding window and soft cap; blocks wholly before a window are unmapped (BAD_BLOCK): reading one faults."""
+    seed = torch.randint(0, 1 << 30, ()).item()
+    case = make_case(specs, 32, 8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=seed,
+                     sliding_window=window, logits_soft_cap=cap)
+    ref = reference.paged_attention(*case.to(torch.float64).args(), **case.options())
+    out = _run(backend, case)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
+
+
+@pytest.mark.parametrize("window", [100, 700])
+def test_cuda_split_k_window(window: int) -> None:
+    """Split-K partitions count from the window's first position."""
+    cuda_ext = pytest.importorskip("conveyor.kernels.cuda_ext")
+    if not cuda_ext.is_available():
+        pytest.skip(cuda_ext.unavailable_reason())
+    case = make_case(DECODE_LONG, 32, 8, head_dim=128, block_size=16, device="cuda", sliding_window=window,
+                     logits_soft_cap=30.0)
+    ref = reference.paged_attention(*case.to(torch.float64).args(), **case.options())
+    out = torch.full_like(case.query, float("nan"))
+    cuda_ext.paged_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                          case.scale, max(case.seq_lens_list), out=out, num_partitions=-(-window // 64),
+                          partition_size=64, **case.options())
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < TOL[torch.float32]

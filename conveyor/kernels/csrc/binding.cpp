@@ -27,7 +27,8 @@ void check_status(int status) { TORCH_CHECK(status == 0, conveyor_status_string(
 // out [S, H, D] (written), query [S, H, D]: one decode token per sequence.
 void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                  double scale, int64_t partition_size, int64_t num_partitions) {
+                  double scale, int64_t partition_size, int64_t num_partitions, int64_t sliding_window,
+                  double soft_cap) {
   TORCH_CHECK(query.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D], caches [N, B, KVH, D]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -61,6 +62,8 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key
   p.num_partitions = static_cast<int>(num_partitions);
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_code(query);
+  p.sliding_window = static_cast<int>(sliding_window);
+  p.soft_cap = static_cast<float>(soft_cap);
   at::Tensor tmp_out, tmp_max, tmp_sum;
   if (num_partitions > 1) {
     const auto opts = query.options().dtype(at::kFloat);

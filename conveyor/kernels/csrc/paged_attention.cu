@@ -7,6 +7,8 @@
 // used to keep memory requests in flight. Each lane keeps an fp32 online softmax (max, sum, accumulator) for its
 // slice of head_dim; lanes, then warps, are merged at the end. With num_partitions > 1 each block writes a
 // normalized partial result plus its (max, sum) and a reduce kernel combines the partitions (flash-decoding).
+// A sliding window moves the context's start to its first visible position (partitions count from there), so
+// blocks before it are never read; soft-capping maps each score s to soft_cap * tanh(s / soft_cap).
 #include "paged_attention.h"
 
 #include <cuda_bf16.h>
@@ -31,6 +33,11 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// The first context position a decode over seq_len positions attends.
+__device__ __forceinline__ int first_visible(int seq_len, int window) {
+  return window > 0 ? max(0, seq_len - window) : 0;
+}
 
 // Merge online-softmax state (m2, l2, a2) into (m, l, a). m == -inf means "no tokens seen": its weight is 0,
 // written out so that two empty states never compute exp(-inf - -inf) = NaN.
@@ -64,7 +71,7 @@ __global__ void __launch_bounds__(kNumWarps * 32)
   const int part = blockIdx.z;
 
   const int seq_len = p.seq_lens[seq];
-  const int start = part * p.partition_size;
+  const int start = first_visible(seq_len, p.sliding_window) + part * p.partition_size;
   if (start >= seq_len) return;  // the reduce kernel reads only this sequence's real partitions
   const int end = min(seq_len, start + p.partition_size);
 
@@ -136,6 +143,10 @@ __global__ void __launch_bounds__(kNumWarps * 32)
       for (int off = LANES / 2; off >= 1; off /= 2) {
 #pragma unroll
         for (int g = 0; g < G_TILE; ++g) s[g] += __shfl_xor_sync(0xffffffffu, s[g], off);
+      }
+      if (p.soft_cap > 0.f) {
+#pragma unroll
+        for (int g = 0; g < G_TILE; ++g) s[g] = p.soft_cap * tanhf(s[g] / p.soft_cap);
       }
       if (valid) {
 #pragma unroll
@@ -221,7 +232,8 @@ __global__ void paged_decode_reduce_kernel(const ConveyorDecodeParams p) {
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const int seq_len = p.seq_lens[seq];
-  const int parts = (seq_len + p.partition_size - 1) / p.partition_size;  // only partitions that ran
+  const int span = seq_len - first_visible(seq_len, p.sliding_window);
+  const int parts = (span + p.partition_size - 1) / p.partition_size;  // only partitions that ran
   const int64_t base = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
   if (threadIdx.x == 0) {
     float mm = -INFINITY;
@@ -347,7 +359,7 @@ extern "C" int conveyor_decode_supports(int dtype, int head_dim) {
 extern "C" int conveyor_paged_decode(const ConveyorDecodeParams* params, cudaStream_t stream) {
   const ConveyorDecodeParams& p = *params;
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0 || p.block_size <= 0 ||
-      p.partition_size <= 0 || p.num_partitions <= 0) {
+      p.partition_size <= 0 || p.num_partitions <= 0 || p.sliding_window < 0 || p.soft_cap < 0.f) {
     return CONVEYOR_ERR_ARGUMENT;
   }
   if (p.num_partitions > 1 && (p.tmp_out == nullptr || p.tmp_max == nullptr || p.tmp_sum == nullptr)) {

@@ -38,9 +38,15 @@ typedef struct {
   int partition_size, num_partitions;
   float scale;
   int dtype;  // ConveyorDtype
+  // Sliding window (0: none): the token at seq_len - 1 attends positions [seq_len - sliding_window, seq_len), and
+  // partitions start at the first of them, so blocks before the window are never read.
+  int sliding_window;
+  float soft_cap;  // logit soft-capping (0: none): scores become soft_cap * tanh(scores / soft_cap)
 } ConveyorDecodeParams;
 
 // Decode attention for one query token per sequence. Asynchronous on `stream`.
+// Partition i of a sequence covers positions [first + i * partition_size, + partition_size) of its context, where
+// first = max(0, seq_len - sliding_window) with a window and 0 without.
 int conveyor_paged_decode(const ConveyorDecodeParams* params, cudaStream_t stream);
 
 // cache[slot // block_size, slot % block_size] = key[t] for every t with slot_mapping[t] >= 0 (same for value).
