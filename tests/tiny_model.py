@@ -45,6 +45,16 @@ FAMILIES = {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
         "mlp_only_layers": [1], "use_sliding_window": False}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Layer 0 local (window 8, shorter than most test prompts), layer 1 global; the query scale apart from head_dim
+    # and soft caps low enough to bite.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "sliding_window": 8, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 15.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "sliding_window": 8, "query_pre_attn_scalar": 32, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 8, "tie_word_embeddings": False, "pad_token_id": 0}),
 }
 
 
@@ -67,6 +77,8 @@ def build_tiny_model(path: Path, family: str, *, seed: int = 0, **config_overrid
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # stacked experts are [E, out, in]
                 p.mul_(4.0)
+            elif family.startswith("gemma") and "norm" in name:  # stored as offsets from 1; zeros hide a misuse
+                p.copy_(0.3 * torch.randn(p.shape))
             elif "q_norm" in name or "k_norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape))  # ones would hide a norm applied to the wrong axis
     model.save_pretrained(path)

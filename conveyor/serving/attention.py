@@ -50,6 +50,11 @@ class PagedAttention(torch.nn.Module):
         self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
         self.backend = backend
 
+    def set_sliding_window(self, sliding_window: int | None) -> None:
+        """Change the window after construction (a family that learns each layer's window from its index)."""
+        ops.check_options(self.backend, sliding_window, self.logits_soft_cap)
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H*D], key/value [T, KVH*D] -> output [T, H*D]; writes key/value into kv_cache first."""

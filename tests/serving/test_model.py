@@ -212,7 +212,7 @@ def test_rejects_bad_inputs(tiny, tmp_path):
 def test_rejects_unsupported_rope():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**TINY, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0))
+    config = LlamaConfig(**TINY, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0))
     with pytest.raises(ValueError, match="unsupported rope type"), torch.device("meta"):
         LlamaForCausalLM(config)
 

@@ -25,6 +25,9 @@ LLAMA_FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_p
 
 class CausalLM(nn.Module):
     FUSED_SHARDS: dict[str, tuple[str, int]] = LLAMA_FUSED_SHARDS
+    SLIDING_WINDOW = False  # whether the family passes the config's sliding_window to its attention
+    # Whether gguf_weights.py maps llama.cpp's layout of this family's linears (q/k row order, fused tensors).
+    GGUF_BLOCKS = True
     model: nn.Module
 
     def __init__(self, config) -> None:
@@ -44,8 +47,7 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """Packed varlen tokens input_ids/positions int64 [T] -> final hidden states [T, hidden_size]."""
         x = self.embed(input_ids)
-        rotary = self.model.rotary_emb
-        rope = rotary.fused_tables(positions) if self.model.fused else rotary(positions, x.dtype)
+        rope = self.rope(positions, x.dtype)
         if self.decode_stack is not None and self.decode_stack.handles(x.shape[0], meta):
             return self.decode_stack(x, rope, kv_caches, meta)
         residual = None
@@ -53,6 +55,12 @@ class CausalLM(nn.Module):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def rope(self, positions: Tensor, dtype: torch.dtype):  # noqa: ANN201 - whatever the family's layers take
+        """The step's rotary tables, looked up once for every layer: (cos, sin). A family whose layers differ
+        (Gemma 3's local and global rope bases) returns what its layers pick from."""
+        rotary = self.model.rotary_emb
+        return rotary.fused_tables(positions) if self.model.fused else rotary(positions, dtype)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]. Callers pass only the rows they sample from."""

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from conveyor.kernels import cpu_ext, gguf
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.models.gguf_weights import GGUFLinear
+from conveyor.serving.models.llama import DecoderLayer
 from conveyor.serving.models.moe import MoEBlock
 
 _PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
@@ -28,8 +29,13 @@ def unavailable_reason(model: nn.Module) -> str | None:
         return "the model does not use the CPU kernels (attention backend is not 'cpu')"
     if any(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers):
         return "the C++ decode loop has no mixture-of-experts layers"
-    if model.model.layers[0].self_attn.has_qk_norm:
+    layer = model.model.layers[0]
+    if type(layer) is not DecoderLayer:  # Gemma's four norms and GELU, Phi-3's windowed attention
+        return f"the C++ decode loop runs Llama's decoder layer, not {type(layer).__name__}"
+    if layer.self_attn.has_qk_norm:
         return "the C++ decode loop has no query/key head norms (Qwen3)"
+    if any(lay.self_attn.attn.sliding_window or lay.self_attn.attn.logits_soft_cap for lay in model.model.layers):
+        return "the C++ decode loop has no sliding window or logit soft-capping"
     for layer in model.model.layers:
         for part, name in _PROJECTIONS:
             linear = getattr(getattr(layer, part), name)

@@ -132,6 +132,10 @@ def attach_gguf_weights(model: nn.Module, blocks: dict[str, tuple[Tensor, int]],
                         max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Wrap every linear of a LlamaForCausalLM whose weights exist as blocks in a GGUFLinear; returns how many.
     The blocks must dequantize to the model's weights (conversion guarantees it; tests check it)."""
+    if not type(model).GGUF_BLOCKS:
+        logger.info("GGUF blocks not used, all steps read fp32 weights: %s's llama.cpp layout is not mapped",
+                    type(model).__name__)
+        return 0
     count = num_moe_layers = 0
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."

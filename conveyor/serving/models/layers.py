@@ -45,13 +45,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores weight - 1 (x * (1 + weight)), and the product is taken in float32
+    before rounding to the activations' dtype. The fused C++ norm rounds before it multiplies (Llama's order), so
+    this norm never takes it: in bfloat16 the results would differ from transformers'."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps, fused=False)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Fused qkv projection, optional per-head q/k RMSNorm (Qwen3, Gemma 3), rotary, paged attention, o_proj.
-    The options a family sets beyond its config: bias on qkv and o, q/k norms, and what PagedAttention takes
-    (its own softmax scale, a sliding window, logit soft-capping) through attn_options."""
+    The options a family sets beyond its config: bias on qkv and o, q/k norms (of class norm_cls), and what
+    PagedAttention takes (its own softmax scale, a sliding window, logit soft-capping) through attn_options."""
 
     def __init__(self, config, backend: str, fused: bool = False, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool = False, **attn_options) -> None:
+                 qk_norm: bool = False, norm_cls: type[RMSNorm] = RMSNorm, **attn_options) -> None:
         super().__init__()
         self.fused = fused
         self.head_dim = head_dim(config)
@@ -65,8 +80,8 @@ class Attention(nn.Module):
                                    **{k: v for k, v in attn_options.items() if v is not None})
         self.has_qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
 
     def shard_sizes(self) -> list[int]:
         """Rows of q, k and v in qkv_proj, in order (models/base.py loads the checkpoint's three into them)."""
@@ -96,19 +111,21 @@ class Attention(nn.Module):
         return torch.cat((q, k, v), dim=-1)
 
 
-ACTIVATIONS = ("silu",)
+# hidden_act -> the function gate rows go through (transformers' ACT2FN names)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one Linear.
-    fused: SiLU-and-mul is one C++ pass (conveyor/kernels/cpu_fused.py), not silu then mul."""
+    fused: SiLU-and-mul is one C++ pass (conveyor/kernels/cpu_fused.py), not silu then mul (other activations
+    take the torch ops)."""
 
     def __init__(self, config, fused: bool = False, *, intermediate_size: int | None = None,
-                 bias: bool = False) -> None:
+                 bias: bool = False, act: str | None = None) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+        act = act or getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
         if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: {ACTIVATIONS}")
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {tuple(ACTIVATIONS)}")
         self.act = act
         self.fused = fused and act == "silu"
         self.intermediate = intermediate_size or config.intermediate_size
@@ -124,4 +141,4 @@ class GatedMLP(nn.Module):
         if self.fused:
             return self.down_proj(cpu_fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)

@@ -1,7 +1,8 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3) composed from the shared layers.
 
 Variants differ only in options: Qwen2 has q/k/v bias, Llama has it when attention_bias is set, Qwen3 normalizes
-every query and key head (RMSNorm over head_dim) before the rotary embedding.
+every query and key head (RMSNorm over head_dim) before the rotary embedding. Mistral's sliding window covers every
+layer; Qwen2/Qwen3 slide only with use_sliding_window, in the layers layer_types (or max_window_layers) names.
 """
 from __future__ import annotations
 
@@ -15,6 +16,24 @@ from conveyor.serving.models.layers import Attention, GatedMLP, RMSNorm
 from conveyor.serving.models.rotary import RotaryEmbedding
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+QWEN_MODEL_TYPES = ("qwen2", "qwen3")
+
+
+def layer_sliding_window(config, index: int) -> int | None:
+    """Layer `index`'s sliding window, as transformers decides it: none without `sliding_window` or with
+    `use_sliding_window` false; else `layer_types[index]` where the config lists them; else Qwen2/Qwen3 slide from
+    layer `max_window_layers` on, and every other family (Mistral, Mixtral, Qwen3-MoE) in every layer."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[index] == "sliding_attention" else None
+    if config.model_type in QWEN_MODEL_TYPES:
+        return window if index >= getattr(config, "max_window_layers", 0) else None
+    return window
 
 
 def llama_attention(config, backend: str, fused: bool) -> Attention:
@@ -56,10 +75,15 @@ class LlamaModel(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(layer_cls(config, backend, self.fused) for _ in range(config.num_hidden_layers))
+        # Windows depend on the layer's index, which layer_cls (shared with the MoE families) is not given.
+        for index, layer in enumerate(self.layers):
+            layer.self_attn.attn.set_sliding_window(layer_sliding_window(config, index))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused)
 
 
 class LlamaForCausalLM(CausalLM):
+    SLIDING_WINDOW = True
+
     def __init__(self, config, attention_backend: str = "torch") -> None:
         super().__init__(config)
         self.model = LlamaModel(config, attention_backend)

@@ -21,6 +21,7 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.registry import architecture_of, model_class, supported_architectures
+from conveyor.serving.models.rotary import RotaryEmbedding
 from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ def build_model(config, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = model_class(config)(config, attention_backend=attention_backend)
     _materialize(model, dtype, device)
-    model.model.rotary_emb.reset_tables()  # the buffers are uninitialized memory
+    for module in model.modules():  # the rope buffers are uninitialized memory (a family may have two tables)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables()
     return model
 
 
@@ -159,8 +162,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     config = read_config(path)
     architecture_of(config)  # ValueError listing the supported architectures
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        # Our paged attention is full causal: identical to the model's only while contexts fit the window.
+    if window and getattr(config, "use_sliding_window", True) and not model_class(config).SLIDING_WINDOW:
+        # This family's attention is full causal: identical to the model's only while contexts fit the window.
         log(f"warning: sliding_window={window} is not implemented; outputs are exact up to {window} tokens")
     net = build_model(config, dtype, torch.device(device), attention_backend)
     net.load_weights(iter_safetensors(path))

@@ -15,12 +15,16 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 # model_type -> architecture, for configs that do not name one
 MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -16,9 +16,13 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_parameters(config) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; older configs: rope_theta + rope_scaling."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters`; older configs: rope_theta + rope_scaling.
+    layer_type: the entry of a config whose `rope_parameters` is keyed by layer type (Gemma 3:
+    "sliding_attention", "full_attention"); a flat one is shared by every layer type."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     scaling = getattr(config, "rope_scaling", None)
@@ -26,6 +30,13 @@ def rope_parameters(config) -> dict:
         params.update(scaling)
     params.setdefault("rope_type", params.get("type", "default"))
     return params
+
+
+def original_max_positions(params: dict, config) -> int:
+    """The pretraining context a scaled rope stretches: the config's own field first (Phi-3 keeps it there, and
+    transformers gives it priority), then the rope parameters', then max_position_embeddings."""
+    return (getattr(config, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings")
+            or config.max_position_embeddings)
 
 
 def _base_inv_freq(theta: float, dim: int) -> Tensor:
@@ -55,17 +66,84 @@ def _llama3(params: dict, dim: int, config) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_factor(params: dict, config) -> float:
+    return params.get("factor") or config.max_position_embeddings / original_max_positions(params, config)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(params: dict, dim: int, config) -> Tensor:
+    """YaRN: frequencies interpolated by `factor` below a band of dimensions, kept above it, a linear ramp between
+    (transformers' _compute_yarn_parameters)."""
+    base, factor = params["rope_theta"], _yarn_factor(params, config)
+    old_len = original_max_positions(params, config)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    keep = 1 - ramp  # the share of each frequency kept as it was trained (extrapolated)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def _yarn_scale(params: dict, config) -> float:
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, mscale_all_dim = _yarn_factor(params, config), params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def longrope_uses_long_factors(params: dict, config) -> bool:
+    """Whether LongRoPE's long factors rotate every position. transformers picks per forward, by the sequence's
+    length so far: without a cache a sequence past the pretraining context is rotated long throughout, with one
+    its earlier keys keep the short rotation. A cache shared across steps and requests needs one rotation per
+    position, so the choice is made once, by the context the model serves (as vLLM does): long when
+    max_position_embeddings exceeds the original context."""
+    return config.max_position_embeddings > original_max_positions(params, config)
+
+
+def _longrope(params: dict, dim: int, config) -> Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the short or the long list."""
+    factors = params["long_factor"] if longrope_uses_long_factors(params, config) else params["short_factor"]
+    factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope factors have {factors.numel()} entries; head_dim {dim} needs {dim // 2}")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (factors * params["rope_theta"] ** shape)
+
+
+def _longrope_scale(params: dict, config) -> float:
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    old_len = original_max_positions(params, config)
+    factor = params.get("factor") or config.max_position_embeddings / old_len
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
 # rope_type -> inv_freq function. Variants that also scale the tables (YaRN's attention factor, LongRoPE's) return
 # that factor through ROPE_TABLE_SCALE.
 ROPE_INIT: dict[str, Callable[[dict, int, object], Tensor]] = {
-    "default": _default, "linear": _linear, "llama3": _llama3,
+    "default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn, "longrope": _longrope,
 }
-ROPE_TABLE_SCALE: dict[str, Callable[[dict, object], float]] = {}
+ROPE_TABLE_SCALE: dict[str, Callable[[dict, object], float]] = {"yarn": _yarn_scale, "longrope": _longrope_scale}
 
 
-def rope_inv_freq(config) -> Tensor:
-    """Inverse frequencies [rotary_dim // 2], float32, matching transformers' rope init functions."""
-    params = rope_parameters(config)
+def rope_inv_freq(config, params: dict | None = None) -> Tensor:
+    """Inverse frequencies [rotary_dim // 2], float32, matching transformers' rope init functions.
+    params: the rope parameters to use (default: the config's, rope_parameters())."""
+    params = rope_parameters(config) if params is None else params
     rope_type = params["rope_type"]
     if rope_type not in ROPE_INIT:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {tuple(ROPE_INIT)}")
@@ -75,12 +153,14 @@ def rope_inv_freq(config) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, head_dim // 2], computed once and indexed by each token's position."""
+    """cos/sin tables [max_positions, head_dim // 2], computed once and indexed by each token's position.
+    params: rope parameters other than the config's own (a layer type's, in Gemma 3)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, params: dict | None = None) -> None:
         super().__init__()
         self.max_positions = config.max_position_embeddings
         self.config = config  # kept so the tables can be rebuilt after meta-device construction
+        self.params = rope_parameters(config) if params is None else params
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -93,9 +173,9 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def _tables(self) -> tuple[Tensor, Tensor]:
-        inv_freq = rope_inv_freq(self.config)
+        params = self.params
+        inv_freq = rope_inv_freq(self.config, params)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        params = rope_parameters(self.config)
         scale_fn = ROPE_TABLE_SCALE.get(params["rope_type"])
         scale = scale_fn(params, self.config) if scale_fn else 1.0
         return freqs.cos() * scale, freqs.sin() * scale
