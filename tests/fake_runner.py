@@ -23,8 +23,8 @@ class FakeRunner:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, static: bool = False, max_model_len: int = 4096,
-                   prefix_caching: bool = True, **config) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+                   prefix_caching: bool = True, sliding_window: int | None = None, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, sliding_window=sliding_window)
     cls = StaticScheduler if static else Scheduler
     return cls(SchedulerConfig(**config), kv, max_model_len)
 

@@ -31,6 +31,13 @@ class AttentionMetadata:
     cpu_plan: ops.CpuStepPlan | None = None
 
 
+def uniform_sliding_window(model: torch.nn.Module) -> int | None:
+    """The sliding window every attention layer of model shares, or None where some layer attends the whole
+    context (or the layers' windows differ): only then can the KV cache free blocks behind the window."""
+    windows = {m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)}
+    return windows.pop() if len(windows) == 1 else None
+
+
 class PagedAttention(torch.nn.Module):
     """Paged attention with its options: scale (default head_dim ** -0.5), sliding_window (a query at position p
     attends keys p - window < j <= p, as transformers' sliding-window mask) and logits_soft_cap (scores =

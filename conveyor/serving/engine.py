@@ -12,6 +12,7 @@ import torch
 
 from conveyor.kernels import gguf, ops
 from conveyor.serving import grammar
+from conveyor.serving.attention import uniform_sliding_window
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
@@ -111,7 +112,9 @@ class LLMEngine:
             profile_step, self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim, block_size,
             self.device, self.dtype, num_tokens=sched_cfg.max_num_batched_tokens, num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.max_model_len, kv_cache_dtype=self.kv_cache_dtype))
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # Blocks leave the cache behind the window only where every layer slides with one window (Mistral).
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                       sliding_window=uniform_sliding_window(self.model))
         scheduler_cls = StaticScheduler if config.scheduler.scheduling == "static" else Scheduler
         self.scheduler = scheduler_cls(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.model, hf.num_hidden_layers, hf.num_key_value_heads, head_dim,

@@ -1,4 +1,12 @@
-"""Per-request block tables on top of the block pool. No torch here."""
+"""Per-request block tables on top of the block pool. No torch here.
+
+Sliding window: where every layer of the model attends only the last `sliding_window` positions, a running
+request's blocks wholly before (num_computed_tokens - sliding_window) go back to the pool as its next tokens are
+allocated; the attention kernels never read a block before the window. Its table keeps FREED in their place (and its
+id list the old ids, which no kernel reads), so positions still index the table. A freed block keeps its prefix-cache
+hash until the pool hands it out again: a later request hits a prefix only while every block of it is still
+cached, as for any freed block.
+"""
 from __future__ import annotations
 
 from conveyor.serving.block_pool import ROOT_HASH, BlockPool, KVBlock, hash_block
@@ -9,9 +17,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The table entry of a block freed for having left the window: no block of the pool.
+FREED = KVBlock(-1)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
+        # The window every layer shares (None: some layer attends the whole context, so no block is ever freed).
+        self.sliding_window = sliding_window
+        self._num_freed: dict[str, int] = {}  # leading table entries freed for having left the window
+        self.num_window_freed_blocks = 0
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -84,7 +103,10 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
         """Check, then commit: room for num_new_tokens more tokens, or None with nothing changed. Returns the
-        request's block ids: a live list that later allocations extend (read it within the step)."""
+        request's block ids: a live list that later allocations extend (read it within the step). With a sliding
+        window, first frees the request's blocks that have left it."""
+        if self.sliding_window is not None:
+            self._free_out_of_window(request)
         if not new_computed_blocks:  # a decode within its last block (block_size - 1 steps in block_size)
             ids = self._block_ids.get(request.request_id)
             if ids is not None and request.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
@@ -103,6 +125,22 @@ class KVCacheManager:
         if num_new_blocks > 0:
             self._extend(table, ids, self.pool.allocate(num_new_blocks))
         return ids
+
+    def _free_out_of_window(self, request: Request) -> None:
+        """Return the blocks wholly before (num_computed_tokens - sliding_window) to the pool. The next token sits
+        at num_computed_tokens and sees positions from num_computed_tokens - sliding_window + 1 on."""
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        num_dead = min(len(table), (request.num_computed_tokens - self.sliding_window) // self.block_size)
+        start = self._num_freed.get(request.request_id, 0)
+        if num_dead <= start:
+            return
+        dead = table[start:num_dead]
+        table[start:num_dead] = [FREED] * (num_dead - start)
+        self.pool.free(reversed(dead))  # tail-first, as free(): a prefix's first blocks stay cached longest
+        self._num_freed[request.request_id] = num_dead
+        self.num_window_freed_blocks += num_dead - start
 
     @staticmethod
     def _extend(table: list[KVBlock], ids: list[int], blocks: list[KVBlock]) -> None:
@@ -126,6 +164,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(start, num_full):
+            if table[i] is FREED:  # left the window before its tokens were known (async scheduling)
+                continue
             parent = hashes[i - 1] if i else ROOT_HASH
             tokens = tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size))
             self.pool.register(table[i], hashes[i], parent, tokens)
@@ -134,7 +174,8 @@ class KVCacheManager:
     def free(self, request: Request, forget_hashes: bool = True) -> None:
         table = self.block_tables.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
-        self.pool.free(reversed(table))
+        start = self._num_freed.pop(request.request_id, 0)
+        self.pool.free(reversed(table[start:]))
         self._num_registered.pop(request.request_id, None)
         if forget_hashes:
             self._hashes.pop(request.request_id, None)
@@ -146,7 +187,10 @@ class KVCacheManager:
         for rid, table in self.block_tables.items():
             if rid not in live_request_ids:
                 raise AssertionError(f"request {rid} holds blocks but is not live")
-            for block in table:
+            num_freed = self._num_freed.get(rid, 0)
+            if any(b is FREED for b in table[num_freed:]) or any(b is not FREED for b in table[:num_freed]):
+                raise AssertionError(f"request {rid}: freed entries are not exactly the first {num_freed}")
+            for block in table[num_freed:]:
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             expected = owners.get(block.block_id, 0)

@@ -25,7 +25,6 @@ LLAMA_FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_p
 
 class CausalLM(nn.Module):
     FUSED_SHARDS: dict[str, tuple[str, int]] = LLAMA_FUSED_SHARDS
-    SLIDING_WINDOW = False  # whether the family passes the config's sliding_window to its attention
     # Whether gguf_weights.py maps llama.cpp's layout of this family's linears (q/k row order, fused tensors).
     GGUF_BLOCKS = True
     model: nn.Module

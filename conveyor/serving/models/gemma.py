@@ -101,7 +101,6 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(CausalLM):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (model_type gemma2, gemma3_text)."""
-    SLIDING_WINDOW = True
     GGUF_BLOCKS = False  # conversion un-permutes q/k rows as llama.cpp permutes Llama's only
 
     def __init__(self, config, attention_backend: str = "torch") -> None:

@@ -82,8 +82,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    SLIDING_WINDOW = True
-
     def __init__(self, config, attention_backend: str = "torch") -> None:
         super().__init__(config)
         self.model = LlamaModel(config, attention_backend)

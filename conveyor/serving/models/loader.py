@@ -161,10 +161,6 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     path = resolve_model_path(model)
     config = read_config(path)
     architecture_of(config)  # ValueError listing the supported architectures
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and not model_class(config).SLIDING_WINDOW:
-        # This family's attention is full causal: identical to the model's only while contexts fit the window.
-        log(f"warning: sliding_window={window} is not implemented; outputs are exact up to {window} tokens")
     net = build_model(config, dtype, torch.device(device), attention_backend)
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping

@@ -53,7 +53,6 @@ class Phi3Model(nn.Module):
 
 class Phi3ForCausalLM(CausalLM):
     FUSED_SHARDS: dict[str, tuple[str, int]] = {}  # the checkpoint's fused projections are ours as they are
-    SLIDING_WINDOW = True
     GGUF_BLOCKS = False  # llama.cpp's fused attn_qkv / ffn_up are not mapped
 
     def __init__(self, config, attention_backend: str = "torch") -> None:
