@@ -113,6 +113,9 @@ class Experts(nn.Module):
         if grouped_mm_supported(rows.device, rows.dtype, self.hidden_size, self.intermediate):
             offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync, CUDA-graph safe
             return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
+        if rows.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop below reads counts on the host
+            raise RuntimeError(f"mixture-of-experts layers in CUDA graphs need F.grouped_mm, which this GPU lacks "
+                               f"for {rows.dtype}: set enable_cuda_graphs off")
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
         for expert, count in enumerate(counts.tolist()):  # a loop over experts, each a matmul over its group
