@@ -38,9 +38,15 @@ MAX_ABANDONED_COMPILES = 4
 MAX_CACHED_GRAMMARS = 256
 MAX_COMPILE_TIMES = 4096
 COMPILE_THREAD_NICE = int(envs.get(envs.GRAMMAR_NICE))
-# Fixed separators, no free whitespace between JSON tokens: a small model offered free whitespace can spend its
-# whole max_tokens on newlines (a known failure of flexible-whitespace JSON grammars); json.dumps' own layout.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON whitespace as the model writes it (a space after a separator, a line break and indentation), bounded per gap
+# between two JSON tokens: at most one line break and MAX_JSON_INDENT (+1) spaces or tabs. Unbounded whitespace
+# (xgrammar's any_whitespace, llguidance's default) lets a small model spend its whole max_tokens on newlines; one
+# forced compact layout pushes it off its own distribution (SmolLM2 on "List two fruits in JSON." wrote
+# `{"grapefruit": "🍰🍰🍰...` until max_tokens). Between two runs the model must write a JSON token, so whitespace
+# can never fill max_tokens. Applied as overrides: a schema's own "x-guidance" cannot lift the bound.
+MAX_JSON_INDENT = 32
+JSON_WHITESPACE = rf"[ \t]?(\r?\n)?[ \t]{{0,{MAX_JSON_INDENT}}}"
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -50,9 +56,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind, spec = params.kind, params.spec
     try:
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(ascii_digits(spec))
         if kind == "choice":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import jsonschema
@@ -22,7 +23,8 @@ FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 def make_engine(model_dir, *, num_kv_blocks: int = 256, max_num_seqs: int = 64, **config) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=str(model_dir), seed=0), cache=CacheConfig(block_size=4, num_blocks=num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), **config))
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, admission_policy="queue"),
+        **config))
 
 
 def run(engine: LLMEngine, params: list[SamplingParams], prompt: str = PROMPT) -> list[tuple[str, str, list[int]]]:
@@ -43,9 +45,13 @@ def json_spec(schema: dict) -> Spec:
     return Spec("json", json.dumps(schema))
 
 
+def _lltokenizer(engine: LLMEngine) -> llguidance.LLTokenizer:
+    return engine.grammar_compiler()._lltokenizer.result()
+
+
 def accepted_prefix(engine: LLMEngine, spec: Spec, token_ids: list[int]) -> bool:
     """The grammar accepts these tokens as (the start of) an output: what a max_tokens cut leaves."""
-    matcher = llguidance.LLMatcher(engine.grammars._lltokenizer.result(), grammar.grammar_text(spec), log_level=0)
+    matcher = llguidance.LLMatcher(_lltokenizer(engine), grammar.grammar_text(spec), log_level=0)
     return matcher.consume_tokens(token_ids) and not matcher.is_error()
 
 
@@ -116,7 +122,7 @@ def test_seed_stop_string_and_max_tokens(engine: LLMEngine) -> None:
     first, again = run(engine, [seeded, seeded])
     assert first == again
     (text, reason, _), = run(engine, [SamplingParams(max_tokens=60, temperature=0.0, structured=spec, stop=["city"])])
-    assert reason == "stop" and text == '{"'
+    assert reason == "stop" and re.sub(r"\s", "", text) == '{"'  # the model may indent before the key
     (text, reason, tokens), = run(engine, [SamplingParams(max_tokens=3, temperature=0.0, structured=spec)])
     assert reason == "length" and len(tokens) == 3 and accepted_prefix(engine, spec, tokens)
 
@@ -147,6 +153,77 @@ def test_a_grammar_that_does_not_compile_in_time_fails_only_its_request(tiny_mod
         release.set()
     assert results[0] == ("", "error", [])
     assert results[1][1] == "length"
+
+
+def _matcher(engine: LLMEngine, spec: Spec) -> llguidance.LLMatcher:
+    return llguidance.LLMatcher(_lltokenizer(engine), grammar.validate(spec), log_level=0)
+
+
+def _takes(engine: LLMEngine, spec: Spec, text: str) -> bool:
+    """The grammar accepts text whole (and may end there)."""
+    matcher = _matcher(engine, spec)
+    tokens = _lltokenizer(engine).tokenize_str(text)
+    return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+
+def _whitespace_allowed_after(engine: LLMEngine, spec: Spec, prefix: str) -> list[str]:
+    """The whitespace-only tokens the grammar's mask lets through after prefix."""
+    lltok = _lltokenizer(engine)
+    matcher = _matcher(engine, spec)
+    assert matcher.consume_tokens(lltok.tokenize_str(prefix)), prefix
+    mask = matcher.compute_logit_bias()
+    texts = [lltok.decode_str([i]) if mask[i] and not lltok.is_special_token(i) else "" for i in range(len(mask))]
+    assert any(t.strip() for t in texts)  # the JSON itself can go on
+    return [t for t in texts if t and not t.strip()]
+
+
+def test_json_grammars_take_the_models_own_layout(engine: LLMEngine) -> None:
+    """Indented JSON (json.dumps with indent 2 and 4, CRLF line ends, tabs) is accepted as well as the compact form,
+    for json_object and every test schema: the model writes its own layout, not one forced on it."""
+    for case in SCHEMA_CASES:
+        for value in case.valid:
+            layouts = [json.dumps(value), json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2),
+                       json.dumps(value, indent=2).replace("\n", "\r\n"), json.dumps(value, indent="\t")]
+            if case.name != "recursive_tree":  # deeper than MAX_JSON_INDENT at indent 4
+                layouts.append(json.dumps(value, indent=4))
+            for spec in (json_spec(case.schema),) + ((Spec("json_object"),) if isinstance(value, dict) else ()):
+                refused = [text for text in layouts if not _takes(engine, spec, text)]
+                assert not refused, (case.name, spec.kind, refused)
+
+
+def test_whitespace_runs_past_the_bound_are_masked(engine: LLMEngine) -> None:
+    """Between two JSON tokens: at most one line break and MAX_JSON_INDENT (+1) spaces or tabs; anything more is
+    masked, so whitespace alone can never run to max_tokens. A schema's own x-guidance cannot lift the bound."""
+    indent = " " * grammar.MAX_JSON_INDENT
+    loose = {"type": "object", "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "\\s*"}}
+    for spec in (Spec("json_object"), json_spec(SCHEMA_CASES[0].schema), json_spec(loose)):
+        assert "\n" in _whitespace_allowed_after(engine, spec, "{")
+        assert " " in _whitespace_allowed_after(engine, spec, "{\n" + indent[1:])
+        assert _whitespace_allowed_after(engine, spec, "{\n" + indent) == []
+        assert all("\n" not in t for t in _whitespace_allowed_after(engine, spec, "{\n"))  # one line break
+        assert not _takes(engine, spec, "{\n" + indent + " }")
+    assert _takes(engine, Spec("json_object"), "{\n" + indent + "}")
+
+
+def test_a_model_that_prefers_whitespace_still_writes_json(engine: LLMEngine) -> None:
+    """Every whitespace token pushed to the top (logit_bias +100): each run between JSON tokens stops at the bound
+    and the model must write JSON between runs, so layout never fills max_tokens (inside a string, whitespace is
+    content, as any other character); every output is valid or an allowed prefix."""
+    lltok = _lltokenizer(engine)
+    whitespace = {i: 100.0 for i in range(len(engine.tokenizer))
+                  if not lltok.is_special_token(i) and not lltok.decode_str([i]).strip()}
+    cases = [(Spec("json_object"), {"type": "object"})] + [(json_spec(c.schema), c.schema) for c in SCHEMA_CASES[:2]]
+    params = [SamplingParams(max_tokens=64, temperature=temperature, seed=1, logit_bias=whitespace, structured=spec)
+              for temperature in (0.0, 1.0) for spec, _ in cases]
+    bound = grammar.MAX_JSON_INDENT + 3  # "[ \t]?(\r?\n)?[ \t]{0,MAX}"
+    longest = 0
+    for (text, reason, tokens), (spec, schema) in zip(run(engine, params), cases * 2, strict=True):
+        check_output(engine, spec, schema, text, reason, tokens)
+        gaps = re.findall(r"\s+", re.sub(r'"(?:[^"\\]|\\.)*("|$)', '""', text, flags=re.S))  # outside strings
+        assert gaps and len("".join(gaps)) < len(text), text
+        longest = max(longest, *(len(gap) for gap in gaps))
+        assert all(len(gap) <= bound and gap.count("\n") <= 1 for gap in gaps), text
+    assert longest >= grammar.MAX_JSON_INDENT  # the bias did push whitespace to the bound
 
 
 @pytest.mark.parametrize("bad", BAD_SCHEMAS, ids=lambda b: b.name)
