@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conveyor.serving import LLM, SamplingParams
+from conveyor.serving.attention import uniform_sliding_window
 from conveyor.serving.models.decode_stack import unavailable_reason
 from tests.serving.test_engine import PROMPTS
 from tests.tiny_model import build_tiny_model
@@ -49,7 +50,8 @@ def test_greedy_matches_transformers(family_dir, expected, engine_kwargs):
     llm = LLM(str(family_dir), **engine_kwargs)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     assert [r.token_ids for r in llm.generate(prompt_ids, params)] == reference
-    if engine_kwargs["num_kv_blocks"] == 40:
+    if engine_kwargs["num_kv_blocks"] == 40 and uniform_sliding_window(llm.engine.model) is None:
+        # (where every layer slides, blocks behind the window go back to the pool and 40 are enough for all)
         assert llm.engine.scheduler.num_preemptions_total > 0
     # The same prompts again: their full blocks come from the prefix cache, and the tokens must not change.
     again = llm.generate(prompt_ids, params)
