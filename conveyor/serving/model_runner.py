@@ -76,6 +76,8 @@ class ModelRunner:
             reason = graph_unsafe_reason(device, attention_backend)
             if reason is None and max_model_len is None:
                 reason = "max_model_len is unknown"
+            if reason is None and hasattr(model, "cuda_graph_unsafe_reason"):  # e.g. models/moe.py's
+                reason = model.cuda_graph_unsafe_reason(device, dtype)
             if reason is not None:
                 logger.info("CUDA graphs off: %s (attention backend %s)", reason, attention_backend)
                 cuda_graphs = "off"

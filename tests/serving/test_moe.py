@@ -179,3 +179,15 @@ def test_stacked_and_per_expert_checkpoints_load_alike(tiny):
                    for n, t in ours.named_parameters() if n.endswith("gate_up_proj") for e in range(t.shape[0])]
     with pytest.raises(ValueError, match="lacks some experts"):
         again.load_weights(per_expert)
+
+
+def test_cuda_graphs_only_with_grouped_mm(tiny, monkeypatch):
+    """Without grouped_mm the experts read their group sizes on the host, which a CUDA graph cannot hold: the model
+    says so, and the model runner leaves graphs off."""
+    ours, _, _ = tiny
+    cpu = torch.device("cpu")
+    experts = next(m for m in ours.modules() if isinstance(m, moe.Experts))
+    supported = moe.grouped_mm_supported(cpu, torch.float32, experts.hidden_size, experts.intermediate)
+    assert (ours.cuda_graph_unsafe_reason(cpu, torch.float32) is None) == supported
+    monkeypatch.setattr(moe, "grouped_mm_supported", lambda *args: False)
+    assert "grouped_mm" in ours.cuda_graph_unsafe_reason(cpu, torch.float32)

@@ -113,9 +113,7 @@ class Experts(nn.Module):
         if grouped_mm_supported(rows.device, rows.dtype, self.hidden_size, self.intermediate):
             offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync, CUDA-graph safe
             return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
-        if rows.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop below reads counts on the host
-            raise RuntimeError(f"mixture-of-experts layers in CUDA graphs need F.grouped_mm, which this GPU lacks "
-                               f"for {rows.dtype}: set enable_cuda_graphs off")
+        # Reads the group sizes on the host: never inside a CUDA graph (cuda_graph_unsafe_reason keeps them off).
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
         for expert, count in enumerate(counts.tolist()):  # a loop over experts, each a matmul over its group
@@ -155,6 +153,13 @@ def numbered_layers(make_layer: Callable[[object, str, bool, int], nn.Module]) -
 class MoECausalLM(CausalLM):
     """Loads per-expert checkpoint tensors into the stacked expert parameters; stacked checkpoint tensors (named
     as ours, `...experts.gate_up_proj`) load whole."""
+
+    def cuda_graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why decode steps cannot be captured in CUDA graphs (the model runner asks), or None."""
+        experts = next(m for m in self.modules() if isinstance(m, Experts))
+        if grouped_mm_supported(device, dtype, experts.hidden_size, experts.intermediate):
+            return None
+        return f"mixture-of-experts layers without F.grouped_mm for {dtype} here read group sizes on the host"
 
     def _expert_slot(self, name: str) -> tuple[str, int, int | None] | None:
         """'...experts.3.up_proj.weight' -> ('...experts.gate_up_proj', 3, 1); None for other names."""
