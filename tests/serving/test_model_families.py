@@ -14,7 +14,7 @@ from tests.serving.test_engine import PROMPTS
 from tests.tiny_model import build_tiny_model
 
 # llama and qwen2: tests/serving/test_engine.py, tests/serving/test_model.py
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -54,7 +54,12 @@ def _hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[lis
 PROMPT_IDS = [[(5 * i + 3 * j) % 300 + 4 for j in range(23 + 9 * i)] for i in range(4)]
 
 
-def test_engine_frees_blocks_behind_the_window(mistral_dir) -> None:
+@pytest.fixture(scope="module")
+def mistral_expected(mistral_dir) -> list[list[int]]:
+    return _hf_greedy(mistral_dir, PROMPT_IDS, 24)
+
+
+def test_engine_frees_blocks_behind_the_window(mistral_dir, mistral_expected) -> None:
     """Every layer slides (window 8): the engine's cache frees blocks behind it, four 23-50-token prompts with 24
     new tokens each run in 20 blocks of 4 (80 tokens) without a preemption, and the tokens are transformers'."""
     from conveyor.serving import LLM, SamplingParams
@@ -63,9 +68,21 @@ def test_engine_frees_blocks_behind_the_window(mistral_dir) -> None:
     assert llm.engine.kv_cache.sliding_window == 8
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(PROMPT_IDS, [params] * len(PROMPT_IDS))
-    assert [o.token_ids for o in outputs] == _hf_greedy(mistral_dir, PROMPT_IDS, 24)
+    assert [o.token_ids for o in outputs] == mistral_expected
     assert llm.engine.kv_cache.num_window_freed_blocks > 0
     assert llm.engine.scheduler.num_preemptions_total == 0
+
+
+def test_engine_preempts_requests_with_freed_blocks(mistral_dir, mistral_expected) -> None:
+    """19 blocks, the least the longest request fits in, and every prompt twice: requests are preempted after
+    giving blocks back, recompute (hitting what the prefix cache still holds) and end with transformers' tokens."""
+    from conveyor.serving import LLM, SamplingParams
+
+    llm = LLM(str(mistral_dir), num_kv_blocks=19, block_size=4, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPT_IDS * 2, [params] * 2 * len(PROMPT_IDS))
+    assert [o.token_ids for o in outputs] == mistral_expected * 2
+    assert llm.engine.scheduler.num_preemptions_total > 0 and llm.engine.kv_cache.num_window_freed_blocks > 0
 
 
 def test_qwen2_windows_in_upper_layers_only(tmp_path) -> None:
