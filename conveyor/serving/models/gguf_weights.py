@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from conveyor.kernels import gguf
-from conveyor.serving.models.moe import MoEBlock
 
 logger = logging.getLogger(__name__)
 
@@ -136,23 +135,18 @@ def attach_gguf_weights(model: nn.Module, blocks: dict[str, tuple[Tensor, int]],
         logger.info("GGUF blocks not used, all steps read fp32 weights: %s's llama.cpp layout is not mapped",
                     type(model).__name__)
         return 0
-    count = num_moe_layers = 0
+    count = 0
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         plan = [(attn, "qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                (attn, "o_proj", ["self_attn.o_proj"])]
-        if isinstance(mlp, MoEBlock):
-            num_moe_layers += 1
-        else:
-            plan += [(mlp, "gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]), (mlp, "down_proj", ["mlp.down_proj"])]
+                (attn, "o_proj", ["self_attn.o_proj"]),
+                (mlp, "gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+                (mlp, "down_proj", ["mlp.down_proj"])]
         for parent, attr, parts in plan:
             found = _fused_blocks(blocks, [f"{prefix}{p}.weight" for p in parts])
             if found is not None:
                 count += _wrap(parent, attr, *found, max_rows)
-    if num_moe_layers:
-        logger.info("the experts of %d mixture-of-experts layers read fp32 weights: no grouped kernel reads GGUF "
-                    "blocks", num_moe_layers)
     if model.lm_head is not None:
         count += _attach_logits(model, blocks.get("lm_head.weight"), max_rows)
     else:

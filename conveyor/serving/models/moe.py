@@ -154,6 +154,10 @@ class MoECausalLM(CausalLM):
     """Loads per-expert checkpoint tensors into the stacked expert parameters; stacked checkpoint tensors (named
     as ours, `...experts.gate_up_proj`) load whole."""
 
+    # A GGUF converts to fp32 safetensors and runs from them: no GGUF-block kernel runs grouped experts, and
+    # llama.cpp leaves Qwen's q/k rows unpermuted where gguf_weights.extract_blocks undoes Llama's permutation.
+    GGUF_BLOCKS = False
+
     def cuda_graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode steps cannot be captured in CUDA graphs (the model runner asks), or None."""
         experts = next(m for m in self.modules() if isinstance(m, Experts))
