@@ -53,10 +53,11 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         bias = bool(getattr(config, "attention_bias", False))
+        # (transformers' defaults where a config.json read as a plain config leaves a field out)
         self.self_attn = Attention(
             config, backend, fused, qkv_bias=bias, o_bias=bias, qk_norm=config.model_type == "gemma3_text",
-            norm_cls=GemmaRMSNorm, scale=config.query_pre_attn_scalar ** -0.5,
-            sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            norm_cls=GemmaRMSNorm, scale=getattr(config, "query_pre_attn_scalar", 256) ** -0.5,
+            sliding_window=getattr(config, "sliding_window", 4096) if layer_type == SLIDING else None,
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
         # transformers' Gemma reads hidden_activation (hub configs may carry a different, unused hidden_act)
         self.mlp = GatedMLP(config, fused, act=getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh")
