@@ -71,6 +71,10 @@ def test_engine_frees_blocks_behind_the_window(mistral_dir, mistral_expected) ->
     assert [o.token_ids for o in outputs] == mistral_expected
     assert llm.engine.kv_cache.num_window_freed_blocks > 0
     assert llm.engine.scheduler.num_preemptions_total == 0
+    if llm.engine.attention_backend == "cpu":  # the C++ decode loop passes no window: it must decline
+        from conveyor.serving.models.decode_stack import unavailable_reason
+
+        assert "sliding window" in unavailable_reason(llm.engine.model)
 
 
 def test_engine_preempts_requests_with_freed_blocks(mistral_dir, mistral_expected) -> None:
