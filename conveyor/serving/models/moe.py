@@ -3,12 +3,12 @@
 Each token goes to its top_k experts by router softmax probability (renormalized over the chosen k where the
 family does so); the T * top_k (token, expert) rows are sorted by expert, so each expert's rows are one contiguous
 group, and gate_up then down run as one grouped matmul each over all groups (torch's grouped_mm where this
-device and dtype have it, else one matmul per expert over its group; never a loop over tokens). The rows go back to
-token order and each token sums its k weighted results.
+device and dtype have it, else one matmul per expert that has rows, as also on the CPU for steps with fewer rows
+than experts; never a loop over tokens). The rows go back to token order and each token sums its k weighted results.
 
 Expert weights are stacked as transformers 5 holds them in memory: gate_up_proj [E, 2 * I, H] (gate rows first),
 down_proj [E, H, I]. Checkpoints store one tensor per expert and projection (`experts.{e}.gate_proj.weight`, or
-Mixtral's `experts.{e}.w1.weight`); MoELoading maps each onto its slice of the stacked parameter.
+Mixtral's `experts.{e}.w1.weight`); MoECausalLM maps each onto its slice of the stacked parameter.
 """
 from __future__ import annotations
 
@@ -110,7 +110,10 @@ class Experts(nn.Module):
 
     def _grouped(self, rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         """rows sorted by expert, counts[e] of them for expert e -> rows @ weight[e].T for each group."""
-        if grouped_mm_supported(rows.device, rows.dtype, self.hidden_size, self.intermediate):
+        # On the CPU, grouped_mm runs a matmul for every expert, rows or none: with fewer rows than experts (small
+        # decode steps) most groups are empty, and the loop below, over the non-empty ones only, does less.
+        few_rows = rows.device.type == "cpu" and rows.shape[0] < self.num_experts
+        if not few_rows and grouped_mm_supported(rows.device, rows.dtype, self.hidden_size, self.intermediate):
             offs = counts.cumsum(0).to(torch.int32)  # on the device: no host sync, CUDA-graph safe
             return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
         # Reads the group sizes on the host: never inside a CUDA graph (cuda_graph_unsafe_reason keeps them off).
