@@ -194,17 +194,20 @@ def test_cuda_graphs_only_with_grouped_mm(tiny, monkeypatch):
 
 
 def test_gguf_blocks_are_skipped_with_a_reason(tmp_path, caplog):
-    """A MoE converted from a GGUF runs from its fp32 weights (models/moe.py MoECausalLM.GGUF_BLOCKS says why);
-    the engine says so and serves."""
+    """A MoE converted from a GGUF runs from its fp32 weights (models/moe.py MoECausalLM.GGUF_BLOCKS says why),
+    its experts unpacked by oneDNN; the engine says so and serves."""
     from conveyor.serving import LLM, SamplingParams
+    from conveyor.serving.models.cpu_packing import packable_dtypes
     from tests.cpu_ext_gate import require_cpu_ext
     from tests.tiny_model import build_tiny_model, quantize_copy
 
     require_cpu_ext()
     quantized = quantize_copy(build_tiny_model(tmp_path / "fp32", "qwen3_moe"), tmp_path / "gguf")
-    with caplog.at_level("INFO", logger="conveyor.serving.models.gguf_weights"):
+    with caplog.at_level("INFO", logger="conveyor.serving.models"):
         llm = LLM(str(quantized), num_kv_blocks=32, block_size=4)
     assert llm.engine.num_gguf_linears == 0 and llm.engine.model.decode_stack is None
     assert "Qwen3MoeForCausalLM's llama.cpp layout is not mapped" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    if llm.engine.config.cpu_weight_packing and packable_dtypes():
+        assert "the experts stay stacked" in caplog.text

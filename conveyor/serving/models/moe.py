@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import re
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 
 from conveyor.kernels import cpu_fused
 from conveyor.serving.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
 
 # checkpoint projection name -> (our stacked parameter, shard: 0 gate / 1 up rows of gate_up_proj, None whole)
 EXPERT_SHARDS: dict[str, tuple[str, int | None]] = {
@@ -160,6 +163,13 @@ class MoECausalLM(CausalLM):
     # A GGUF converts to fp32 safetensors and runs from them: no GGUF-block kernel runs grouped experts, and
     # llama.cpp leaves Qwen's q/k rows unpermuted where gguf_weights.extract_blocks undoes Llama's permutation.
     GGUF_BLOCKS = False
+
+    def pack_for_cpu(self) -> int:
+        """Attention, dense MLPs and the LM head as CausalLM packs them; the experts stay as they are."""
+        count = super().pack_for_cpu()
+        logger.info("oneDNN packing: %d linears packed; the experts stay stacked for their grouped matmuls "
+                    "(a packed copy per expert would double their memory)", count)
+        return count
 
     def cuda_graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode steps cannot be captured in CUDA graphs (the model runner asks), or None."""
