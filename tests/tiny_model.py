@@ -44,7 +44,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False,
         "mlp_only_layers": [1], "use_sliding_window": False}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # every layer slides (window 8): the experts under windowed attention and freed blocks
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": 8}),
     # Every layer slides with window 8: the test prompts are longer
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8, "tie_word_embeddings": False}),
     # Layer 0 local (window 8, shorter than most test prompts), layer 1 global; the query scale apart from head_dim
