@@ -25,9 +25,9 @@ VARIANTS = {
         sliding_window=WINDOW, query_pre_attn_scalar=32, layer_types=[SLIDING, FULL],
         rope_parameters={SLIDING: dict(rope_type="default", rope_theta=100.0),
                          FULL: dict(rope_type="linear", factor=2.0, rope_theta=1e6)})),
-    "phi3": ("Phi3Config", dict(sliding_window=WINDOW)),
-    # original context 4 (< every test sequence): transformers uses the long factors throughout, as we do
-    "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=4, rope_parameters=dict(
+    # Phi-3.5's LongRoPE with an original context of 4 (< every test sequence): transformers uses the long factors
+    # throughout, as we do
+    "phi3": ("Phi3Config", dict(sliding_window=WINDOW, original_max_position_embeddings=4, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.3 * i for i in range(HEAD_DIM // 2)],
         long_factor=[2.0 + 0.7 * i for i in range(HEAD_DIM // 2)]))),
 }
