@@ -90,6 +90,26 @@ def build_tiny_model(path: Path, family: str, *, seed: int = 0, **config_overrid
     return path
 
 
+def cast_copy(model_dir: Path, out: Path, dtype, *, config_names_it: bool = True) -> Path:
+    """A copy of model_dir with its weights stored in dtype, as a bf16/fp16 checkpoint is; config.json names
+    the dtype, or (config_names_it False) leaves it to the weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = {k: v.to(dtype) for k, v in load_file(str(out / "model.safetensors")).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_names_it:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def quantize_copy(model_dir: Path, out: Path) -> Path:
     """A copy of model_dir as if converted from a GGUF: linears in Q4_1 blocks (the LM head Q8_0), and the fp32
     checkpoint holding exactly what those blocks dequantize to. Needs the CPU extension (kernels.gguf)."""

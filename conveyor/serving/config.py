@@ -134,7 +134,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = setting("smollm2", "'smollm2', a local HF directory, or a .gguf file")
-    dtype: str = setting("auto", "the model's dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = setting(
+        "auto", "the model's dtype (auto: the checkpoint's where the device computes it natively, else float32: "
+        "CUDA runs bf16/fp16 as stored, a CPU bf16 only with AVX512-BF16 or AMX; a GGUF float32 on CPU, bf16 on "
+        "CUDA)")
     device: str = setting("auto", "auto, cpu or cuda")
     max_model_len: int | None = setting(None, "context length (None: the model's own)")
     seed: int = setting(0, "the engine's random seed (requests without their own seed)")

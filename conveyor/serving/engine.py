@@ -18,10 +18,12 @@ from conveyor.serving.detokenizer import apply_chat_template, tokenize
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
+from conveyor.serving.models.checkpoint import auto_dtype
 from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.decode_stack import DecodeStack
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
-from conveyor.serving.models.loader import load_model
+from conveyor.serving.models.hub import log
+from conveyor.serving.models.loader import load_model, resolve_model_path
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
 from conveyor.serving.outputs import EngineStepStats, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
@@ -35,12 +37,17 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.005  # an engine with only compiling requests sleeps this long per step, not spin
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(device: str, dtype: str, model: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """ModelConfig's device and dtype -> torch's; dtype auto reads the checkpoint of `model` (models/checkpoint.py:
+    its dtype where the device computes it natively, float32 otherwise) and logs the choice."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
     if dtype == "auto":
-        # bf16 matmuls are unusably slow on CPUs without AVX-512 BF16: fp32 there.
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if model is None:
+            return dev, torch.float32
+        chosen, reason = auto_dtype(resolve_model_path(model), dev)
+        log(f"dtype auto: {_dtype_name(chosen)} ({reason})")
+        return dev, chosen
     try:
         return dev, getattr(torch, dtype)
     except AttributeError:
@@ -85,7 +92,7 @@ class LLMEngine:
 
     def _build(self) -> None:
         config = self.config
-        self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
+        self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype, config.model.model)
         torch.manual_seed(config.model.seed)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()

@@ -32,6 +32,7 @@ from conveyor.serving.memory import cuda_kv_cache_bytes, num_kv_blocks
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.outputs import ScheduledChunk
 from conveyor.serving.request import Request
+from tests.tiny_model import cast_copy
 
 GiB = 1 << 30
 
@@ -320,8 +321,10 @@ def test_engine_greedy_graphs_on_equals_off(gpu_model_dir, backend: str) -> None
 
 @pytest.mark.gpu
 @needs_cuda
-def test_bf16_default_path_with_graphs(tiny_model_dir) -> None:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_model_dir), device="cuda"),
+def test_bf16_default_path_with_graphs(tiny_model_dir, tmp_path) -> None:
+    """A bf16 checkpoint under dtype auto runs bf16 on CUDA (models/checkpoint.py)."""
+    bf16_dir = cast_copy(tiny_model_dir, tmp_path / "bf16", torch.bfloat16)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(bf16_dir), device="cuda"),
                                     cache=CacheConfig(block_size=16, gpu_memory_utilization=0.2)))
     assert engine.dtype == torch.bfloat16 and engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert next(engine.model.parameters()).dtype == torch.bfloat16

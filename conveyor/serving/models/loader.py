@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from conveyor.serving.models.base import CausalLM
+from conveyor.serving.models.checkpoint import iter_safetensors
 from conveyor.serving.models.hub import (
     SMOLLM2_ALIASES,
     cache_dir,
@@ -27,7 +26,7 @@ from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-__all__ = ["cache_dir", "pull_model", "resolve_model_path", "load_model", "supported_architectures"]
+__all__ = ["cache_dir", "iter_safetensors", "load_model", "pull_model", "resolve_model_path", "supported_architectures"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -68,14 +67,6 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
     except (TypeError, ValueError):
         return {}
     return defaults
-
-
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from every shard, one tensor at a time, so peak memory stays ~one model."""
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                yield name, f.get_tensor(name)
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device,
