@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-# The first record of a request its replica cannot start (its engine process died): the ingress sends it elsewhere,
-# as it does a request whose replica drains (router/streams.py).
+# The record of a request whose replica's engine process died before anything of it reached the client (the
+# first record, or any record of a request that is not streamed): the ingress sends it elsewhere, as it does a
+# request whose replica drains (router/streams.py).
 HAND_BACK = "hand_back"
 ROUTE_KEY = "route_key"  # set on the request record per attempt by start_stream, read back by the router
 MAX_REMEMBERED_LEFT = 64  # a request routed just before its replica left must still learn it left

@@ -32,7 +32,7 @@ from conveyor.router.replica import make_request
 from conveyor.router.streams import (
     ReplicaStreamingResponse,
     StartedStream,
-    merge_records,
+    read_whole,
     sse_body,
     start_stream,
 )
@@ -243,10 +243,11 @@ class Ingress:
             return ReplicaStreamingResponse(body, started)
         try:
             async with asyncio.timeout_at(deadline):
-                async for i, record in merge_records(started):
-                    states[i].update(record)
+                await self._read_all(started, [request for _, request in choices], states)
         except TimeoutError:
             raise timeout_error(timeout_s) from None
+        except ApiError:
+            raise
         except Exception as exc:
             logger.warning("request failed mid-generation: %r", exc)
             self._count_cut()
@@ -254,7 +255,30 @@ class Ingress:
         finally:
             for s in started:
                 s.cancel()
+        fmt.fingerprint = started[0].first.get("replica")  # the replica that answered, if the first one failed
         return JSONResponse(fmt.body(states))
+
+    async def _read_all(self, started: list[StartedStream], requests: list[dict], states: list[ChoiceState]) -> None:
+        """Read every choice of a request that is not streamed into its state; a choice whose replica fails before
+        its last record starts over elsewhere (read_whole), and `started` keeps its new stream for the caller to
+        cancel."""
+        wait_s = self.settings.replica_wait_timeout_s
+
+        async def read(i: int) -> None:
+            async def restart() -> StartedStream:
+                started[i] = await start_stream(self.engine, requests[i], wait_s, self._count_hand_back, self._demux)
+                return started[i]
+
+            records = await read_whole(started[i], restart, self._count_hand_back)
+            for record in records:
+                states[i].update(record)
+
+        tasks = [asyncio.ensure_future(read(i)) for i in range(len(started))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _start_all(self, requests: list[dict]) -> list[StartedStream]:
         """Start every choice; if any fails, cancel the others and raise its error."""

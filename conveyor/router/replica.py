@@ -210,7 +210,15 @@ class EngineReplica:
                 return
             pending: list[RequestOutput] = []
             while not output.finished:
-                output = await anext(stream)
+                try:
+                    output = await anext(stream)
+                except EngineDeadError as exc:
+                    if per_token:  # its client has tokens already: the stream ends with an error event
+                        raise
+                    # A client that is not streaming has been sent nothing yet: the ingress starts it over
+                    # elsewhere (streams.py: read_whole), as it does a request handed back before its first token.
+                    yield {"error": HAND_BACK, "message": str(exc)}
+                    return
                 now = time.monotonic()
                 self._itl.add(now - last)
                 last = now

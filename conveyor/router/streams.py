@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +185,33 @@ async def _first_record(gen: DeploymentResponseGenerator, replica_left: asyncio.
             return record
         raise HandedBack(record.get("message", "engine gone"), backoff_s=ENGINE_GONE_BACKOFF_S)
     raise HandedBack("replica left the routing set")
+
+
+async def read_whole(stream: StartedStream, restart: Callable[[], Awaitable[StartedStream]],
+                     on_hand_back: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Every record of a request that is not streamed. Its client has been sent nothing, so when its replica's engine
+    process dies (a hand-back record) or the replica itself does before the last record, the request starts over on
+    another replica (`restart`: start_stream again), at most MAX_HAND_BACKS times."""
+    num_restarts = 0
+    while True:
+        records: list[dict[str, Any]] = []
+        try:
+            async for record in stream.records():
+                if record.get("error") == HAND_BACK:
+                    raise HandedBack(record.get("message", "engine gone"), backoff_s=ENGINE_GONE_BACKOFF_S)
+                records.append(record)
+            return records
+        except (HandedBack, *RETRYABLE) as exc:
+            stream.cancel()
+            num_restarts += 1
+            if num_restarts > MAX_HAND_BACKS:
+                raise ApiError.unavailable("replicas kept failing while generating the request") from None
+            logger.warning("request failed mid-generation before any output reached its client (%r); starting it "
+                           "again on another replica", exc)
+            if on_hand_back is not None:
+                on_hand_back()
+            await asyncio.sleep(ENGINE_GONE_BACKOFF_S * num_restarts)  # see HandedBack
+            stream = await restart()
 
 
 def _raise_if_error(record: dict[str, Any]) -> dict[str, Any]:

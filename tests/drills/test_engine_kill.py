@@ -1,7 +1,8 @@
-"""Engine-process kill under streamed load on two replicas (issue 39 item 5): kill -9 of one replica's engine process
-loses no request that had not sent a byte (the replica hands them back, the ingress sends them elsewhere), cuts the
-victim's running streams with one SSE error event each, and the replica restarts its engine and serves again
-within 30 s."""
+"""Engine-process kill under load on two replicas (issue 39 item 5): kill -9 of one replica's engine process loses no
+request that had not sent a byte (the replica hands them back, the ingress sends them elsewhere), cuts the victim's
+running streams with one SSE error event each, and the replica restarts its engine and serves again within 30 s.
+Requests that are not streamed have sent no byte until they end: those the victim was generating start over on
+the other replica and succeed."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from benchmarks.soak import fleet_stats, replica_actor_names, wait_fleet_idle
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 APP = "conveyor-drill-engine-kill"
 CLIENTS = 6
 BACK_WITHIN_S = 30.0
+NUM_UNSTREAMED = 8  # 2 replicas x max_num_seqs 2: each runs a batch of 2 and queues 2, so a kill lands mid-batch
+UNSTREAMED_TOKENS = 400  # mid-generation when the kill lands (at 200 all had ended; the tiny model has 512 positions)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +92,32 @@ def test_engine_kill_loses_nothing_unstarted_and_the_replica_comes_back(base_url
     assert handed_back >= 1
     stats = wait_fleet_idle(APP, 30)
     assert stats[victim_id]["num_block_tables"] == 0, stats
+
+
+def complete(base_url: str, i: int) -> httpx.Response:
+    body = {"prompt": f"not streamed {i} " * 3, "max_tokens": UNSTREAMED_TOKENS, "ignore_eos": True}
+    return httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+
+
+def _running_a_batch() -> tuple[str, dict] | None:
+    return next(((rid, s) for rid, s in fleet_stats(APP).items() if s["num_running"] == 2), None)
+
+
+def test_engine_kill_starts_unstreamed_requests_over_elsewhere(base_url: str) -> None:
+    wait_fleet_idle(APP, 30)
+    handed_back_before = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total")
+    with ThreadPoolExecutor(NUM_UNSTREAMED) as pool:
+        futures = [pool.submit(complete, base_url, i) for i in range(NUM_UNSTREAMED)]
+        victim_id, victim = wait_until(_running_a_batch, 30, "a replica generating a batch of 2", 0.1)
+        restarts_before = victim["num_engine_restarts"]
+        os.kill(engine_child_of(victim["pid"]), signal.SIGKILL)
+        responses = [f.result(timeout=120) for f in futures]
+    # Every one answered whole: the victim's batch (tokens generated, none sent) and its queue went elsewhere.
+    assert [r.status_code for r in responses] == [200] * NUM_UNSTREAMED, [r.text[:200] for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == UNSTREAMED_TOKENS for r in responses)
+    handed_back = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total") - handed_back_before
+    write_artifact("engine_kill_unstreamed", {"requests": NUM_UNSTREAMED, "handed_back": handed_back})
+    assert handed_back >= 2  # at least the victim's running batch
+    wait_until(lambda: _restarts(victim_id) == restarts_before + 1, BACK_WITHIN_S, "the engine to restart", 0.5)
+    stats = wait_fleet_idle(APP, 30)
+    assert all(s["num_block_tables"] == 0 for s in stats.values()), stats
