@@ -267,7 +267,10 @@ def _engine(model_dir, backend: str, graphs: bool, dtype: str = "float32", max_n
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=str(model_dir), device="cuda", dtype=dtype),
         cache=CacheConfig(block_size=16, num_blocks=128, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
+        # No latency targets: a fixed 512-token budget, so one step prefills every test prompt (the TPOT target's
+        # cold-start budget is 64 tokens).
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, tpot_slo_ms=None,
+                                  ttft_slo_ms=None),
         attention_backend=backend, enable_cuda_graphs=graphs))
 
 
@@ -297,7 +300,7 @@ def test_graph_replay_matches_eager(gpu_model_dir, backend: str, batch: int, dty
     assert is_pure_decode(sched.chunks) and len(sched.chunks) == batch
     runner = engine.runner
     with torch.inference_mode():
-        ids, pos, meta, _ = runner._prepare_inputs(sched)
+        ids, pos, meta, _ = runner._prepare_inputs(sched.chunks)
         eager = runner.model(ids, pos, runner.kv_caches, meta).clone()
         replayed = graphs.run(sched.chunks).clone()
     torch.cuda.synchronize()
