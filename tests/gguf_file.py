@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 _ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "phi3": "PHI3", "gemma2": "GEMMA2",
           "gemma3": "GEMMA3"}
+EOT_TOKEN_ID = 1  # <|im_start|>, standing in for an end-of-turn token other than EOS
 SAMPLING = {"temp": 0.7, "top_p": 0.8, "top_k": 20}  # Qwen3's recommended sampling
 
 
@@ -33,6 +34,7 @@ def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_eot_token_id(EOT_TOKEN_ID)
     if config.get("pad_token_id") is not None:
         writer.add_pad_token_id(config["pad_token_id"])
     template = model_dir / "chat_template.jinja"

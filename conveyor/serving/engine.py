@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous core. add_request / abort / step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -23,7 +24,7 @@ from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.decode_stack import DecodeStack
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
 from conveyor.serving.models.hub import log
-from conveyor.serving.models.loader import load_model, resolve_model_path
+from conveyor.serving.models.loader import generation_eos_ids, load_model, resolve_model_path
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
 from conveyor.serving.outputs import EngineStepStats, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
@@ -132,6 +133,11 @@ class LLMEngine:
                                   cuda_graphs="capture" if config.enable_cuda_graphs else "off",
                                   kv_cache_dtype=self.kv_cache_dtype, split_mixed_steps=config.split_mixed_steps)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # A chat model may end its turn with a token other than the tokenizer's EOS (Gemma 3's <end_of_turn>, Llama
+        # 3's <|eot_id|>): generation_config.json lists them, and they stop requests as stop tokens (as in vLLM).
+        self.extra_eos_token_ids = tuple(t for t in generation_eos_ids(self.model.source_dir) if t != self.eos_token_id)
+        if self.extra_eos_token_ids:
+            logger.info("stop tokens from generation_config.json besides EOS: %s", list(self.extra_eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars: grammar.GrammarCompiler | None = None  # made at the first structured-output request
         self.step_trace = StepTrace.from_env()
@@ -198,6 +204,9 @@ class LLMEngine:
                              f"replica's KV cache of {capacity} tokens")
         if params.structured is not None and validate_grammar:
             grammar.validate(params.structured)
+        extra_eos = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra_eos))
         return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_id=self.eos_token_id,
                        max_tokens=max_tokens)
 

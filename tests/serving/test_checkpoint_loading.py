@@ -92,3 +92,20 @@ def test_an_index_naming_a_missing_shard_fails_clearly(sharded_dir, tmp_path):
     safetensors_files(broken)[0].unlink()
     with pytest.raises(ValueError, match="names shards that are missing"):
         safetensors_files(broken)
+
+
+def test_generation_config_eos_ids_stop_requests(tiny_model_dir, tmp_path):
+    """A second end-of-turn id in generation_config.json (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>) stops a
+    request as EOS does, unless it ignores EOS."""
+    prompt, free = list(range(40, 75)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = LLM(str(tiny_model_dir), num_kv_blocks=32).generate([prompt], free)[0].token_ids
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "eot")
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], tokens[stop_at]]
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    llm = LLM(str(model_dir), num_kv_blocks=32)
+    assert llm.engine.extra_eos_token_ids == (tokens[stop_at],)
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert stopped.token_ids == tokens[:stop_at + 1] and stopped.finish_reason == "stop"
+    assert llm.generate([prompt], free)[0].token_ids == tokens

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conveyor.serving import LLM, SamplingParams
-from conveyor.serving.models.loader import generation_defaults, resolve_model_path
+from conveyor.serving.models.loader import generation_defaults, generation_eos_ids, resolve_model_path
 from tests.cpu_ext_gate import require_cpu_ext
-from tests.gguf_file import write_gguf
+from tests.gguf_file import EOT_TOKEN_ID, write_gguf
 from tests.serving.test_model_families import _hf_greedy
 from tests.tiny_model import build_tiny_model
 
@@ -42,6 +42,7 @@ def test_the_conversion_keeps_the_shape_and_the_sampling_defaults(gguf_model):
     if config["model_type"] in ("phi3", "gemma2", "gemma3_text"):
         assert config["sliding_window"] == 8  # Phi-3's, which transformers' reader leaves out
     assert generation_defaults(converted) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert generation_eos_ids(converted) == (config["eos_token_id"], EOT_TOKEN_ID)  # llama.cpp's eot id ends turns
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(gguf_model, caplog):

@@ -119,6 +119,10 @@ def _convert_unlocked(gguf_path: Path, out_dir: Path) -> None:
     generation = GenerationConfig.from_model_config(config)
     if sampling := gguf_sampling_defaults(metadata):
         generation.update(do_sample=True, **sampling)  # as a model's own generation_config.json says them
+    # llama.cpp's end-of-turn / end-of-message ids (Gemma's <end_of_turn>, Llama 3's <|eot_id|>) end a turn too
+    turn_ends = [metadata.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    if len(turn_ends := list(dict.fromkeys(t for t in turn_ends if isinstance(t, int)))) > 1:
+        generation.eos_token_id = turn_ends
     generation.save_pretrained(tmp)
     log(f"weights written ({time.perf_counter() - start:.1f}s); converting the tokenizer")
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)

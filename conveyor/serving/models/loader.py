@@ -69,6 +69,17 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
     return defaults
 
 
+def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The ids generation_config.json ends generation at (`eos_token_id`: one id or a list)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (OSError, ValueError):
+        return ()
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return tuple(dict.fromkeys(t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= 0))
+
+
 def build_model(config, dtype: torch.dtype, device: torch.device,
                 attention_backend: str = "torch") -> CausalLM:
     """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste)."""
