@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conveyor.serving import LLM, SamplingParams
+from conveyor.serving.models.hub import COMPLETE_MARKER, is_complete
 from conveyor.serving.models.loader import generation_defaults, generation_eos_ids, resolve_model_path
 from tests.cpu_ext_gate import require_cpu_ext
 from tests.gguf_file import EOT_TOKEN_ID, write_gguf
@@ -43,6 +45,15 @@ def test_the_conversion_keeps_the_shape_and_the_sampling_defaults(gguf_model):
         assert config["sliding_window"] == 8  # Phi-3's, which transformers' reader leaves out
     assert generation_defaults(converted) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert generation_eos_ids(converted) == (config["eos_token_id"], EOT_TOKEN_ID)  # llama.cpp's eot id ends turns
+
+
+def test_conversions_of_the_older_format_are_redone_except_llamas(gguf_model, tmp_path):
+    """Format 2 un-permuted Qwen's q/k blocks and lost Qwen3's head_dim: such a folder converts again; a Llama's
+    (SmolLM2's) holds what format 3 would, and is kept."""
+    older = shutil.copytree(gguf_model[1], tmp_path / "older")
+    assert is_complete(older)
+    (older / COMPLETE_MARKER).write_text("source=x.gguf\nformat=2\n")
+    assert is_complete(older) == (json.loads((older / "config.json").read_text())["model_type"] == "llama")
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(gguf_model, caplog):

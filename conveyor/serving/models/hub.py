@@ -31,8 +31,11 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "SmolLM2-135M-Instruct"
 # Written last into a converted dir: its absence means the conversion did not finish and must be redone.
 COMPLETE_MARKER = ".conveyor-complete"
-# Bumped when a converted dir gains content: older dirs are converted again. 2: the GGUF's blocks kept too.
-CONVERSION_FORMAT = "format=2"
+# Bumped when a converted dir gains content: older dirs are converted again. 2: the GGUF's blocks kept too. 3: Qwen's
+# q/k blocks kept unpermuted, Qwen3's head_dim, Phi-3's window, sampling and end-of-turn ids.
+CONVERSION_FORMAT = "format=3"
+# A format-2 conversion of a Llama-layout GGUF (SmolLM2) holds what format 3 would: it is kept, not redone.
+_LLAMA_FORMAT_2 = ("format=2", ("llama", "mistral"))
 
 
 # SmolLM2's model card recommends these; the GGUF carries no sampling defaults, and at OpenAI's default temperature
@@ -56,7 +59,17 @@ def cache_dir() -> Path:
 
 def is_complete(model_dir: Path) -> bool:
     marker = model_dir / COMPLETE_MARKER
-    return marker.is_file() and CONVERSION_FORMAT in marker.read_text().split()
+    if not marker.is_file():
+        return False
+    formats = marker.read_text().split()
+    if CONVERSION_FORMAT in formats:
+        return True
+    old_format, model_types = _LLAMA_FORMAT_2
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return old_format in formats and model_type in model_types
 
 
 @contextmanager
