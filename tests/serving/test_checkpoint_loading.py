@@ -109,3 +109,15 @@ def test_generation_config_eos_ids_stop_requests(tiny_model_dir, tmp_path):
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert stopped.token_ids == tokens[:stop_at + 1] and stopped.finish_reason == "stop"
     assert llm.generate([prompt], free)[0].token_ids == tokens
+
+
+def test_the_chat_template_comes_from_chat_template_jinja(tiny_model_dir):
+    """transformers 5 saves the template beside the tokenizer, not in tokenizer_config.json: it is still the one
+    applied."""
+    from conveyor.serving.detokenizer import apply_chat_template
+    from conveyor.serving.models.loader import load_tokenizer
+
+    assert "chat_template" not in json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    assert (tiny_model_dir / "chat_template.jinja").is_file()
+    prompt = apply_chat_template(load_tokenizer(tiny_model_dir), [{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
