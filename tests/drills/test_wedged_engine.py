@@ -47,9 +47,9 @@ def test_a_wedged_engine_is_detected_and_replaced(serve_cluster: str, tiny_model
         ready = httpx.get(url + "/ready", timeout=30)
         assert ready.status_code == 200 and ready.json()["ready"] is True, ready.text
         # Readiness: 503 while the engine loads (the ingress is up before it), and never 200 before an engine
-        # replica runs. 404: the proxy has no route to the application yet.
+        # replica runs. 404: the proxy has no route to the application yet. (Whether a probe lands in the loading
+        # window at all depends on the host's speed, so a 503 is not required to have been seen.)
         assert {status for status, _ in probes} <= {200, 404, 503}, probes
-        assert any(status == 503 for status, _ in probes), probes
         assert all(num_running >= 1 for status, num_running in probes if status == 200), probes
         (victim,) = replica_actor_names(APP)
         engine_handle(APP).stall_engine_for_test.remote(STALL_S).result(timeout_s=10)
