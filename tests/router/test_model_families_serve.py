@@ -36,7 +36,8 @@ def clients(serve_cluster: str, tmp_path_factory) -> Iterator[dict[str, OpenAI]]
             model_dir = build_tiny_model(tmp_path_factory.mktemp(f"serve-{family}"), family,
                                          max_position_embeddings=2048)
             args = {"model": str(model_dir), "served_model_name": MODEL, "num_kv_blocks": 160, "max_num_seqs": 4,
-                    "num_cpus": 0.25, "torch_num_threads": 1, "request_router_class": None}
+                    "num_cpus": 0.25, "torch_num_threads": 1, "request_router_class": None,
+                    "engine_process": False}  # the engine on a thread of the replica: one process fewer to start
             names[family] = f"conveyor-test-family-{family}"
             stack.enter_context(deploy(args, names[family], f"/family-{family}", wait=False))
         for name in names.values():
