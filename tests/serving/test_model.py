@@ -55,23 +55,27 @@ def _randomize(model: torch.nn.Module) -> None:
             p.copy_(1.0 + noise if "norm" in name else noise)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def tiny(request, tmp_path_factory):
-    """(our model, transformers model, path) for one tiny random architecture saved as safetensors."""
+def build_variant(path: Path, config_cls: str, extra: dict) -> tuple:
+    """(our model, transformers model, path): a tiny random checkpoint of transformers' config_cls (TINY + extra)
+    saved as safetensors into path with the word-level test tokenizer, and our model loaded from it."""
     import transformers
 
-    config_cls, extra = VARIANTS[request.param]
     config = getattr(transformers, config_cls)(**TINY, **extra)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     _randomize(hf)
     hf.eval()
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(path)
     ours, _, tokenizer = load_model(str(path), torch.float32, torch.device("cpu"))
     assert tokenizer.eos_token == "t2"  # (a qwen2 config makes AutoTokenizer pick a BPE class: ids differ)
     return ours, hf, path
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request, tmp_path_factory):
+    """(our model, transformers model, path) for one tiny random architecture saved as safetensors."""
+    return build_variant(tmp_path_factory.mktemp(request.param), *VARIANTS[request.param])
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from conveyor.serving.models.gemma import FULL, SLIDING, layer_types
 from conveyor.serving.models.loader import load_model
 from tests.cpu_ext_gate import require_cpu_ext
-from tests.serving.test_model import TINY, Harness, _prompt, _randomize, _save_tokenizer, assert_rows_match, hf_logits
+from tests.serving.test_model import TINY, Harness, _prompt, assert_rows_match, build_variant, hf_logits
 
 WINDOW = 4  # every test sequence (5-13 tokens) outgrows it
 HEAD_DIM = TINY["head_dim"]
@@ -36,19 +36,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request, tmp_path_factory):
     """(our model, transformers model, path) for one tiny random checkpoint."""
-    import transformers
-
-    config_cls, extra = VARIANTS[request.param]
-    config = getattr(transformers, config_cls)(**TINY, **extra)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(hf)
-    hf.eval()
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path)
-    ours, _, _ = load_model(str(path), torch.float32, torch.device("cpu"))
-    return ours, hf, path
+    return build_variant(tmp_path_factory.mktemp(request.param), *VARIANTS[request.param])
 
 
 def test_chunked_prefill_then_decode_past_the_window(tiny):

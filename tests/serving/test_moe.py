@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.serving.models import moe
-from conveyor.serving.models.loader import load_model
 from conveyor.serving.models.moe import MoEBlock
-from tests.serving.test_model import TINY, Harness, _prompt, _randomize, _save_tokenizer, assert_rows_match
+from tests.serving.test_model import Harness, _prompt, assert_rows_match, build_variant
 
 HIDDEN, INTERMEDIATE = 64, 32
 
@@ -126,19 +125,8 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request, tmp_path_factory):
-    import transformers
-
-    config_cls, extra = VARIANTS[request.param]
-    config = getattr(transformers, config_cls)(**TINY, **extra)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(hf)
-    hf.eval()
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path)
-    ours, _, _ = load_model(str(path), torch.float32, torch.device("cpu"))
-    return ours, hf, path
+    """(our model, transformers model, path) for one tiny random checkpoint."""
+    return build_variant(tmp_path_factory.mktemp(request.param), *VARIANTS[request.param])
 
 
 def test_layers_are_sparse_where_transformers_has_them(tiny):
