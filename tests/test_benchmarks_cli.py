@@ -18,8 +18,17 @@ SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
 VLLM_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
 
 
-def _tree(path: Path) -> ast.Module:
+def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
+
+
+# Parsed once, here on the main thread: CPython 3.11's parser is not safe to run from several threads at once
+# (SystemError "AST constructor recursion depth mismatch" when the --help pool below parsed in its workers).
+TREES = {path: _parse(path) for path in SCRIPTS}
+
+
+def _tree(path: Path) -> ast.Module:
+    return TREES[path] if path in TREES else _parse(path)
 
 
 def _has_main(tree: ast.Module) -> bool:
