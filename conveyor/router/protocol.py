@@ -242,7 +242,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _constrain_tool_calls(self) -> ChatCompletionRequest:
         schema = _tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
         if schema is not None:  # validated by _check_tool_choice
-            self._structured = StructuredOutputsParams("json", canonical_json(schema))
+            self._structured = StructuredOutputsParams("json", canonical_json(schema), validated=True)
         return self
 
     @property

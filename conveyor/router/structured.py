@@ -3,6 +3,7 @@ at the ingress (the grammar library validates without a tokenizer), so a bad sch
 reaches a replica, and a request for a format we cannot produce is refused, never answered in free text."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -98,5 +99,6 @@ def canonical_json(schema: dict[str, Any]) -> str:
 
 
 def checked(params: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The constraint, validated (ValueError: a 400 naming the field) and marked so: the engine only compiles it."""
     grammar.validate(params)
-    return params
+    return dataclasses.replace(params, validated=True)

@@ -178,8 +178,9 @@ class LLMEngine:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None, *, validate_grammar: bool = True) -> Request:
-        """Tokenize and validate; raises ValueError for input the engine can never serve. validate_grammar=False:
-        the caller checked params.structured already (a large grammar takes tens of ms to check)."""
+        """Tokenize and validate; raises ValueError for input the engine can never serve. validate_grammar=False,
+        or a constraint marked validated (the HTTP ingress checked it): the grammar is not checked again here (a
+        large one takes tens of ms); one that fails to compile ends its request with finish_reason "error"."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
@@ -202,7 +203,7 @@ class LLMEngine:
         if cdiv(num_prompt + max_tokens, self.kv_cache.block_size) > self.kv_cache.num_blocks:
             raise ValueError(f"prompt + max_tokens ({num_prompt + max_tokens} tokens) can never fit this "
                              f"replica's KV cache of {capacity} tokens")
-        if params.structured is not None and validate_grammar:
+        if params.structured is not None and validate_grammar and not params.structured.validated:
             grammar.validate(params.structured)
         extra_eos = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:

@@ -192,8 +192,10 @@ class ProcessEngine:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_token_ids = self.tokenize(prompt)
-        if params.structured is not None:  # here, not in the child, whose loop is the step's (the library drops
-            await asyncio.to_thread(grammar.validate, params.structured)  # the GIL while it checks a grammar)
+        # Here, not in the child, whose loop is the step's (the library drops the GIL while it checks a grammar);
+        # not at all for a constraint the HTTP ingress has validated already.
+        if params.structured is not None and not params.structured.validated:
+            await asyncio.to_thread(grammar.validate, params.structured)
         stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         if self._stopped is not None:  # after the reader failed every stream: nobody would ever post to this one

@@ -36,6 +36,10 @@ class StructuredOutputsParams:
 
     kind: str
     spec: str = ""
+    # True once grammar.validate has passed on this spec (the HTTP ingress checks every constraint before it
+    # leaves, router/structured.py): the engine then only compiles it. Not part of equality or the hash, so a
+    # validated and an unvalidated copy of one spec are one compiled grammar.
+    validated: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
