@@ -63,6 +63,15 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
+def cluster_runtime_env(env: dict[str, str]) -> dict[str, object]:
+    """The runtime env of every process of the local cluster: Serve's settings, and a setup hook that makes every
+    Serve process (the HTTP proxy of --http-proxy included) ignore the client headers that would switch off its
+    request timeout or disconnect handling (serve_headers.py)."""
+    from conveyor.router.serve_headers import SETUP_HOOK
+
+    return {"env_vars": env, "worker_process_setup_hook": SETUP_HOOK}
+
+
 def ray_background_env() -> dict[str, str]:
     """Slower reports from Ray's own bookkeeping, which a local server only needs for `ray` CLI views: an idle
     `conveyor serve` then takes less CPU. On a small CPU machine each CPU-second elsewhere costs the engine's
@@ -217,7 +226,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if ray_as_batch and cfg.engine_process:  # an engine on a replica thread would run batch too
         run_children_as_batch()  # Ray's processes inherit it; the engine process leaves it (serving/priority.py)
     context = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=args.verbose,
-                       runtime_env={"env_vars": env})
+                       runtime_env=cluster_runtime_env(env))
     logger.info("Ray cluster at %s, authentication %s", context.address_info.get("gcs_address"), auth_mode)
     if not args.verbose:
         _stop_log_monitor()
