@@ -139,7 +139,8 @@ class ModelConfig:
         "CUDA runs bf16/fp16 as stored, a CPU bf16 only with AVX512-BF16 or AMX; a GGUF float32 on CPU, bf16 on "
         "CUDA)")
     device: str = setting("auto", "auto, cpu or cuda")
-    max_model_len: int | None = setting(None, "context length (None: the model's own)")
+    max_model_len: int | None = setting(
+        None, "context length (None: the model's own); past a LongRoPE model's original context: its long factors")
     seed: int = setting(0, "the engine's random seed (requests without their own seed)")
 
     def __post_init__(self) -> None:

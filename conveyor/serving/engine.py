@@ -101,7 +101,7 @@ class LLMEngine:
         # Before the weights load: a backend that cannot hold this cache fails fast.
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.attention_backend)
         self.model, self.hf_config, self.tokenizer = load_model(
-            config.model.model, self.dtype, self.device, self.attention_backend)
+            config.model.model, self.dtype, self.device, self.attention_backend, config.model.max_model_len)
         hf = self.hf_config
         self.num_params = sum(p.numel() for p in self.model.parameters())
         if config.cpu_weight_packing and self.device.type == "cpu" and self.dtype in packable_dtypes():

@@ -14,12 +14,16 @@ from tests.serving.test_engine import PROMPTS
 from tests.tiny_model import build_tiny_model
 
 # llama and qwen2: tests/serving/test_engine.py, tests/serving/test_model.py
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3", "phi3", "phi4_mini"]
+# variant -> (family of tests/tiny_model.py, config fields over the family's). Phi-4-mini: Phi-3's class rotating
+# the first 3/4 of each head, tied embeddings, no window.
+VARIANTS = {"phi4_mini": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None))}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    family, overrides = VARIANTS.get(request.param, (request.param, {}))
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), family, **overrides)
 
 
 def _hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:

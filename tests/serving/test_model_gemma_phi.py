@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers: per-step logits through prefill, chunked prefill,
+"""Gemma 2, Gemma 3 (text), Phi-3 and Phi-4-mini against transformers: per-step logits through prefill, chunked prefill,
 decodes and packed mixed steps, on prompts longer than the sliding window; their layer variants (Gemma's
 RMSNorm, YaRN and LongRoPE inverse frequencies) against transformers' own functions.
 
@@ -30,6 +30,12 @@ VARIANTS = {
     "phi3": ("Phi3Config", dict(sliding_window=WINDOW, original_max_position_embeddings=4, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.3 * i for i in range(HEAD_DIM // 2)],
         long_factor=[2.0 + 0.7 * i for i in range(HEAD_DIM // 2)]))),
+    # Phi-4-mini: the same class rotating only the first 3/4 of each head (12 of 16 dims; LongRoPE's factors
+    # cover those), tied embeddings
+    "phi4-mini": ("Phi3Config", dict(tie_word_embeddings=True, original_max_position_embeddings=4,
+                                     partial_rotary_factor=0.75, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.3 * i for i in range(6)],
+        long_factor=[2.0 + 0.7 * i for i in range(6)]))),
 }
 
 

@@ -93,14 +93,26 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             qkv = self._norm_heads(qkv)
         if self.fused:
-            # q and k heads are adjacent in each qkv row: one in-place call rotates both.
-            cpu_fused.rotary_embedding_neox(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
+            self._rotate_fused(qkv, rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if not self.fused:
             q = apply_rope(q.view(-1, self.num_heads, self.head_dim), rope).reshape(-1, self.q_size)
             k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope).reshape(-1, self.kv_size)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out)
+
+    def _rotate_fused(self, qkv: Tensor, rope: tuple[Tensor, Tensor]) -> None:
+        """The C++ rope, in place. q and k heads are adjacent in each qkv row: one call rotates both. The kernel
+        rotates whole heads, so a partial rotary (tables narrower than head_dim / 2) rotates a packed copy of each
+        head's leading dims and writes it back."""
+        heads, rotary_dim = self.num_heads + self.num_kv_heads, 2 * rope[0].shape[-1]
+        if rotary_dim == self.head_dim:
+            cpu_fused.rotary_embedding_neox(qkv, *rope, heads, self.head_dim)
+            return
+        part = qkv[:, :heads * self.head_dim].view(-1, heads, self.head_dim)[..., :rotary_dim]
+        packed = part.reshape(-1, heads * rotary_dim)
+        cpu_fused.rotary_embedding_neox(packed, *rope, heads, rotary_dim)
+        part.copy_(packed.view_as(part))
 
     def _norm_heads(self, qkv: Tensor) -> Tensor:
         """qkv with each query and key head RMS-normalized, in the same [T, q + k + v] layout (so the fused rope

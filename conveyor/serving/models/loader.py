@@ -20,7 +20,7 @@ from conveyor.serving.models.hub import (
     pull_model,
 )
 from conveyor.serving.models.registry import architecture_of, model_class, supported_architectures
-from conveyor.serving.models.rotary import RotaryEmbedding
+from conveyor.serving.models.rotary import RotaryEmbedding, longrope_uses_long_factors, original_max_positions
 from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 
 if TYPE_CHECKING:
@@ -80,15 +80,21 @@ def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= 0))
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device,
-                attention_backend: str = "torch") -> CausalLM:
-    """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste)."""
+def build_model(config, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
+                max_model_len: int | None = None) -> CausalLM:
+    """Allocate an uninitialized model directly in dtype on device (random init of 135M params is waste).
+    max_model_len: the context the engine serves, which picks LongRoPE's short or long factors."""
     with torch.device("meta"):
         model = model_class(config)(config, attention_backend=attention_backend)
     _materialize(model, dtype, device)
     for module in model.modules():  # the rope buffers are uninitialized memory (a family may have two tables)
         if isinstance(module, RotaryEmbedding):
-            module.reset_tables()
+            module.reset_tables(max_model_len)
+            if module.params["rope_type"] == "longrope":
+                long = longrope_uses_long_factors(module.params, config)
+                log(f"LongRoPE: {'long' if long else 'short'} factors for a context of "
+                    f"{module.params.get('max_model_len') or config.max_position_embeddings} tokens "
+                    f"(original {original_max_positions(module.params, config)})")
     return model
 
 
@@ -157,13 +163,14 @@ def read_config(path: Path) -> PretrainedConfig:
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch",
-               ) -> tuple[CausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
-    """Resolve, build, stream the weights in; the model is in eval mode with gradients off."""
+               max_model_len: int | None = None) -> tuple[CausalLM, PretrainedConfig, PreTrainedTokenizerBase]:
+    """Resolve, build, stream the weights in; the model is in eval mode with gradients off.
+    max_model_len: the served context (--max-model-len; None: the model's own), as build_model takes it."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     config = read_config(path)
     architecture_of(config)  # ValueError listing the supported architectures
-    net = build_model(config, dtype, torch.device(device), attention_backend)
+    net = build_model(config, dtype, torch.device(device), attention_backend, max_model_len)
     net.load_weights(iter_safetensors(path))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
     net.source_dir = path  # where optional extras (a GGUF's quantized blocks) are found

@@ -2,7 +2,8 @@
 
 The checkpoint holds qkv_proj (q | k | v rows) and gate_up_proj (gate | up rows), exactly the layout of our fused
 Linears, so they load as they are. The 128k variants scale rope with LongRoPE (rotary.py); `sliding_window` in the
-config (2047 in Phi-3-mini-4k) is the attention's window, as transformers applies it.
+config (2047 in Phi-3-mini-4k) is the attention's window, as transformers applies it. Phi-4-mini (the same class)
+rotates only the first head_dim * partial_rotary_factor dims of each head.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conveyor.kernels import cpu_fused
 from conveyor.serving.models.base import CausalLM
 from conveyor.serving.models.layers import Attention, GatedMLP, RMSNorm
 from conveyor.serving.models.llama import DecoderLayer
-from conveyor.serving.models.rotary import RotaryEmbedding, rope_parameters
+from conveyor.serving.models.rotary import RotaryEmbedding, partial_rotary_dim, rope_parameters
 
 # Rope types older Phi-3 configs name that transformers' Phi3Config reads as LongRoPE.
 _LONGROPE_ALIASES = ("su", "yarn")
@@ -45,7 +46,8 @@ class Phi3Model(nn.Module):
         # Given its weight, nn.Embedding skips a random init the checkpoint overwrites anyway (llama.py says why).
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.rotary_emb = RotaryEmbedding(config, phi3_rope_parameters(config))
+        params = phi3_rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(config, params, partial_rotary_dim(config, params))
         self.layers = nn.ModuleList(Phi3DecoderLayer(config, backend, self.fused)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused)

@@ -2,7 +2,9 @@
 (or `rope_theta` + `rope_scaling` in older configs), one cos/sin table per model, and the rotate-half rotation.
 
 A variant is a function config-params -> inv_freq [rotary_dim // 2] in float32, registered in ROPE_INIT; the
-tables are built once and indexed by each token's position, so a variant costs nothing per step."""
+tables are built once and indexed by each token's position, so a variant costs nothing per step. rotary_dim is
+head_dim unless the family rotates only part of each head (Phi-4-mini's partial_rotary_factor): Llama, Qwen,
+Gemma and Mixtral rotate whole heads whatever the config says, as transformers' rotaries for them do."""
 from __future__ import annotations
 
 import math
@@ -109,9 +111,11 @@ def longrope_uses_long_factors(params: dict, config) -> bool:
     """Whether LongRoPE's long factors rotate every position. transformers picks per forward, by the sequence's
     length so far: without a cache a sequence past the pretraining context is rotated long throughout, with one
     its earlier keys keep the short rotation. A cache shared across steps and requests needs one rotation per
-    position, so the choice is made once, by the context the model serves (as vLLM does): long when
-    max_position_embeddings exceeds the original context."""
-    return config.max_position_embeddings > original_max_positions(params, config)
+    position, so the choice is made once, by the context the engine serves (as vLLM does): long when
+    max_model_len (params, set by the engine; else max_position_embeddings) exceeds the original context. Within
+    the original context every sequence then gets transformers' exact (short) rotation."""
+    served = params.get("max_model_len") or config.max_position_embeddings
+    return served > original_max_positions(params, config)
 
 
 def _longrope(params: dict, dim: int, config) -> Tensor:
@@ -140,27 +144,38 @@ ROPE_INIT: dict[str, Callable[[dict, int, object], Tensor]] = {
 ROPE_TABLE_SCALE: dict[str, Callable[[dict, object], float]] = {"yarn": _yarn_scale, "longrope": _longrope_scale}
 
 
-def rope_inv_freq(config, params: dict | None = None) -> Tensor:
-    """Inverse frequencies [rotary_dim // 2], float32, matching transformers' rope init functions.
-    params: the rope parameters to use (default: the config's, rope_parameters())."""
+def partial_rotary_dim(config, params: dict) -> int:
+    """The leading dims of each head that rotate, for families that honour partial_rotary_factor (Phi-3's
+    config class; older configs keep the factor at the top level)."""
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim(config) * factor)
+    if not 0 < dim <= head_dim(config) or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim(config)}; "
+                         "it needs an even number in (0, head_dim]")
+    return dim
+
+
+def rope_inv_freq(config, params: dict | None = None, dim: int | None = None) -> Tensor:
+    """Inverse frequencies [dim // 2], float32, matching transformers' rope init functions.
+    params: the rope parameters to use (default: the config's, rope_parameters()); dim: rotary dims (head_dim)."""
     params = rope_parameters(config) if params is None else params
     rope_type = params["rope_type"]
     if rope_type not in ROPE_INIT:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {tuple(ROPE_INIT)}")
-    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    return ROPE_INIT[rope_type](params, head_dim(config), config)
+    return ROPE_INIT[rope_type](params, dim or head_dim(config), config)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, head_dim // 2], computed once and indexed by each token's position.
-    params: rope parameters other than the config's own (a layer type's, in Gemma 3)."""
+    """cos/sin tables [max_positions, rotary_dim // 2], computed once and indexed by each token's position.
+    params: rope parameters other than the config's own (a layer type's, in Gemma 3); rotary_dim: the leading dims
+    of each head that rotate (default head_dim)."""
 
-    def __init__(self, config, params: dict | None = None) -> None:
+    def __init__(self, config, params: dict | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.max_positions = config.max_position_embeddings
         self.config = config  # kept so the tables can be rebuilt after meta-device construction
-        self.params = rope_parameters(config) if params is None else params
+        self.params = dict(rope_parameters(config) if params is None else params)
+        self.rotary_dim = rotary_dim or head_dim(config)
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -174,15 +189,18 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self) -> tuple[Tensor, Tensor]:
         params = self.params
-        inv_freq = rope_inv_freq(self.config, params)
+        inv_freq = rope_inv_freq(self.config, params, self.rotary_dim)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         scale_fn = ROPE_TABLE_SCALE.get(params["rope_type"])
         scale = scale_fn(params, self.config) if scale_fn else 1.0
         return freqs.cos() * scale, freqs.sin() * scale
 
     @torch.no_grad()
-    def reset_tables(self) -> None:
-        """Refill the tables in place (after `to_empty`, which leaves buffers uninitialized)."""
+    def reset_tables(self, max_model_len: int | None = None) -> None:
+        """Refill the tables in place (after `to_empty`, which leaves buffers uninitialized).
+        max_model_len: the context the engine serves (it picks LongRoPE's factors: longrope_uses_long_factors)."""
+        if max_model_len is not None:
+            self.params["max_model_len"] = min(max_model_len, self.max_positions)
         cos, sin = self._tables()
         self.cos.copy_(cos)
         self.sin.copy_(sin)
@@ -197,7 +215,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """x [T, heads, D] in the rotate-half (GPT-NeoX) layout that HF Llama checkpoints use."""
+    """x [T, heads, D] in the rotate-half (GPT-NeoX) layout that HF Llama checkpoints use. Tables narrower than
+    D/2 rotate the first 2 * width dims and pass the rest through (partial rotary)."""
     cos, sin = rope
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary_dim], rope), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
