@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from conveyor.router.deadline import timeout_error, with_deadline
 from conveyor.router.errors import ApiError, install_handlers
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
+from conveyor.router.handle_records import make_request
 from conveyor.router.parse_pool import DEFAULT_PARSE_TIMEOUT_S, ParsePool, parse_body
 from conveyor.router.protocol import (
     ChatCompletionRequest,
@@ -28,14 +29,8 @@ from conveyor.router.protocol import (
     ModelList,
     new_id,
 )
-from conveyor.router.replica import make_request
-from conveyor.router.streams import (
-    ReplicaStreamingResponse,
-    StartedStream,
-    read_whole,
-    sse_body,
-    start_stream,
-)
+from conveyor.router.sse_stream import ReplicaStreamingResponse, sse_body
+from conveyor.router.streams import StartedStream, read_whole, start_stream
 
 logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
 

@@ -1,87 +1,36 @@
 """The engine deployment: one engine (EngineClient: ProcessEngine, or AsyncEngine) per Serve replica, streamed
-through a DeploymentHandle. A dead engine process is restarted in place; what it had not started is handed back.
-
-The request crossing the handle is a small dict (see `make_request`); what comes back is one small dict per
-engine delta. Errors that belong to the client (bad input, full queue) come back as a single typed record
-`{"error": kind, ...}` rather than an exception, so that nothing depends on how Ray pickles exception types
-and the ingress can map them straight onto HTTP statuses.
+through a DeploymentHandle. The engine is kept running by an EngineSupervisor (engine_supervisor.py: a dead engine
+process is restarted in place; what it had not started is handed back). The records crossing the handle are
+handle_records.py's.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
 from conveyor.router.drain import HAND_BACK, ROUTE_KEY
+from conveyor.router.engine_supervisor import EngineSupervisor
+from conveyor.router.handle_records import engine_inputs, output_record
+from conveyor.router.latency_window import LatencyWindow
 from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY, MuxHub, StreamMux
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.engine_client import EngineDeadError
-from conveyor.serving.outputs import RequestOutput, SampledToken, merge_outputs
-from conveyor.serving.request import SamplingParams
+from conveyor.serving.engine_client import EngineClient, EngineDeadError
+from conveyor.serving.outputs import RequestOutput, merge_outputs
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
-ROUTING_PREFIX_CHARS = 2048
 # A subscription with no request attached ends after this long (the ingress opens a new one when it needs it).
 # Serve counts it as an ongoing request, so a stopping replica (scale-in, redeploy, `serve delete`) waits for it
 # to end: at 5 s each stop took 5-7 s longer than its streams. Opening one again is one call, and until it
 # answers a new request's records take its own stream.
 SUBSCRIPTION_IDLE_S = 1.0
-
-
-def make_request(prompt: str | list[int] | None, params: SamplingParams, request_id: str, *,
-                 messages: list[dict[str, str]] | None = None, stream: bool = True,
-                 unset: list[str] | None = None) -> dict[str, Any]:
-    """The record the ingress sends: the first positional argument of `generate`.
-
-    `routing_prefix` is what the request router (conveyor/router/routing.py) reads for prefix affinity. It only needs
-    to be a stable text for a shared prompt prefix: chat messages are rendered with a fixed pseudo-template
-    (the ingress does not load the tokenizer), token-id prompts as their decimal ids.
-    """
-    if messages is not None:
-        prefix = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
-    elif isinstance(prompt, str):
-        prefix = prompt
-    else:
-        prefix = ",".join(map(str, prompt or []))
-    return {"prompt": prompt, "messages": messages, "params": params, "request_id": request_id,
-            "routing_prefix": prefix[:ROUTING_PREFIX_CHARS], "stream": stream, "unset": unset or []}
-
-
-def apply_generation_defaults(params: SamplingParams, defaults: dict[str, Any], unset: Any) -> SamplingParams:
-    """Sampling settings the client left out (`unset`) take the model's generation-config values, as vLLM does
-    (SmolLM2: temperature 0.2, top_p 0.9); what the client sent always wins."""
-    chosen = {k: v for k, v in defaults.items() if k in unset}
-    return dataclasses.replace(params, **chosen) if chosen else params
-
-
-class LatencyWindow:
-    """Samples of one latency over the last `window_s` seconds (bounded), for percentiles on demand."""
-
-    def __init__(self, window_s: float = 60.0, max_samples: int = 10_000) -> None:
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
-
-    def add(self, value: float, now: float | None = None) -> None:
-        self._samples.append((time.monotonic() if now is None else now, value))
-
-    def percentile(self, q: float, now: float | None = None) -> float:
-        cutoff = (time.monotonic() if now is None else now) - self.window_s
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
-        if not self._samples:
-            return 0.0
-        values = sorted(v for _, v in self._samples)
-        return values[min(len(values) - 1, int(q * len(values)))]
 
 
 @serve.deployment(name="EngineReplica", max_ongoing_requests=1024, health_check_period_s=5)
@@ -90,34 +39,30 @@ class EngineReplica:
                  latency_window_s: float = 60.0, model_name: str | None = None,
                  engine_process: bool = True, engine_stall_timeout_s: float = 120.0,
                  test_hooks: bool = False) -> None:
+        from conveyor.router.metrics_registry import start_replica_endpoint
+        from conveyor.serving.metrics import EngineMetrics
         from conveyor.serving.priority import raised_priority
 
-        # A replica that starts beside busy engines (scale-out, rolling update, a replaced replica) would get a
-        # sliver of the CPU at Ray's niceness: its start-up runs at the engine's (conveyor/serving/priority.py).
-        with raised_priority():
-            self._start_engine(engine_config, torch_num_threads, engine_process)
+        self.config = engine_config
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
         self._ttft = LatencyWindow(latency_window_s)
         self._itl = LatencyWindow(latency_window_s)
         # Prometheus metrics (conveyor/serving/metrics.py): fed on the engine thread after every step, served on
         # this replica's own port and advertised for service discovery (conveyor/router/metrics_registry.py).
-        from conveyor.router.metrics_registry import start_replica_endpoint
-        from conveyor.serving.metrics import EngineMetrics
-
         self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
-        # Liveness of the engine itself: a step completed recently, or nothing to do (see check_health).
-        self._stall_timeout_s = engine_stall_timeout_s
-        self._last_progress = time.monotonic()
+        # A replica that starts beside busy engines (scale-out, rolling update, a replaced replica) would get a
+        # sliver of the CPU at Ray's niceness: its start-up runs at the engine's (conveyor/serving/priority.py).
+        with raised_priority():
+            self._start_engine(engine_config, torch_num_threads, engine_process, engine_stall_timeout_s)
         self._test_hooks = test_hooks
-        self._attach_engine(self.engine)
         self._metrics_endpoint = start_replica_endpoint("engine", self.metrics.model)
         self._muxes = MuxHub()
         self._num_batches = self._num_muxed_records = 0  # evidence for tests: records per subscription message
         self._num_subscriptions_cancelled = 0  # evidence for tests: the ingress (or Serve for it) cancelled one
 
-    def _start_engine(self, engine_config: EngineConfig, torch_num_threads: int | None,
-                      engine_process: bool) -> None:
+    def _start_engine(self, engine_config: EngineConfig, torch_num_threads: int | None, engine_process: bool,
+                      stall_timeout_s: float) -> None:
         # torch and the model load here (or in the engine's child process), not when the driver imports us.
         if engine_process:
             from conveyor.serving.engine_process import ProcessEngine as engine_cls
@@ -125,50 +70,24 @@ class EngineReplica:
             from conveyor.serving.async_engine import AsyncEngine as engine_cls
         from conveyor.serving.models.loader import generation_defaults, resolve_model_path
 
-        self.config = engine_config
-        self._engine_factory = functools.partial(engine_cls.from_config, engine_config, torch_num_threads)
-        self._restarting = False
-        self._num_engine_restarts = 0
-        self.engine = self._engine_factory()
+        factory = functools.partial(engine_cls.from_config, engine_config, torch_num_threads)
+        self._supervisor = EngineSupervisor(factory, stall_timeout_s=stall_timeout_s, name=self._replica_id,
+                                            on_start=self._bind_metrics)
         self._tokenizer = self.engine.tokenizer
         self._generation_defaults = generation_defaults(resolve_model_path(engine_config.model.model))
 
-    def _attach_engine(self, engine: Any) -> None:
+    def _bind_metrics(self, engine: EngineClient) -> None:
         engine.add_step_listener(self.metrics.observe_step)
-        engine.add_step_listener(self._on_step)
         self.metrics.bind_load(engine.load)
-        if hasattr(engine, "on_exit"):  # ProcessEngine: its child can die under us
-            engine.on_exit = self._on_engine_exit
 
-    def _on_engine_exit(self) -> None:
-        """The engine process died (kill -9, OOM); its streams have failed already. Start a new one beside: the
-        replica is unhealthy and hands back whatever arrives until it is up (seconds), so it is back well within
-        Serve's replacement of the whole replica."""
-        if self._restarting:
-            return
-        self._restarting = True
-        logger.error("engine process of replica %s died; restarting it", self._replica_id)
-        threading.Thread(target=self._restart_engine, name="conveyor-engine-restart", daemon=True).start()
-
-    def _restart_engine(self) -> None:
-        old = self.engine
-        try:
-            old.shutdown()
-            engine = self._engine_factory()
-        except Exception:  # noqa: BLE001 - the health check keeps failing: Serve replaces the replica
-            logger.exception("engine restart failed on replica %s", self._replica_id)
-            return
-        self._attach_engine(engine)
-        self.engine = engine
-        self._last_progress = time.monotonic()
-        self._num_engine_restarts += 1
-        self._restarting = False
-        logger.warning("engine process of replica %s restarted", self._replica_id)
+    @property
+    def engine(self) -> EngineClient:
+        """The engine now running (a restart replaces it)."""
+        return self._supervisor.engine
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         try:
-            prompt = self._prompt(request)
-            params = self._params(request["params"], len(prompt), request.get("unset", ()))
+            prompt, params = engine_inputs(request, self.engine, self._generation_defaults)
             # Tokens that queued up while this replica was busy leave as one record, not one each.
             stream = self.engine.generate(prompt, params, request.get("request_id"), coalesce=True)
             start = time.monotonic()
@@ -288,36 +207,8 @@ class EngineReplica:
         finally:
             self._muxes.close(subscriber, mux)
 
-    def _prompt(self, request: dict[str, Any]) -> list[int]:
-        """Token ids (tokenized once, here): the length decides an unset max_tokens."""
-        prompt = request["prompt"]
-        if request.get("messages") is not None:
-            prompt = self.engine.apply_chat_template(request["messages"])
-        return self.engine.tokenize(prompt)
-
-    def _params(self, params: SamplingParams, num_prompt: int, unset: Any = ()) -> SamplingParams:
-        params = apply_generation_defaults(params, self._generation_defaults, unset)
-        # OpenAI clients often omit max_tokens ("up to the context"). The engine would refuse that when this
-        # replica's KV cache is smaller than the context, so cap it at what can ever fit here instead.
-        if params.max_tokens is not None:
-            return params
-        room = min(self.engine.max_model_len, self.engine.max_tokens_ever) - num_prompt
-        return dataclasses.replace(params, max_tokens=room) if room >= 1 else params
-
     def _record(self, out: RequestOutput) -> dict[str, Any]:
-        record: dict[str, Any] = {"text": out.delta_text, "num_tokens": len(out.delta_token_ids),
-                                  "prompt_tokens": out.num_prompt_tokens}
-        if out.finished:
-            record["finish_reason"] = out.finish_reason
-            record["cached_tokens"] = out.num_cached_tokens
-        if out.delta_logprobs is not None:
-            record["logprobs"] = [self._logprob_entry(s) for s in out.delta_logprobs]
-        return record
-
-    def _logprob_entry(self, sampled: SampledToken) -> dict[str, Any]:
-        top = sampled.top_logprobs or {}
-        return {"token": self._tokenizer.decode([sampled.token_id]), "logprob": sampled.logprob,
-                "top": [(self._tokenizer.decode([tid]), lp) for tid, lp in top.items()]}
+        return output_record(out, self._tokenizer)
 
     # ---- what Serve and the routing/autoscaling policies read ---------------------------------------
     # The hooks Serve calls on a timer (and the ingress's probe) are coroutines: they only read state this process
@@ -342,25 +233,10 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; after 3 failures in a row it replaces the replica.
-        A dead engine process fails it, and so does a live one that has work but completed no step for
-        engine_stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it forever)."""
-        if not self.engine.is_alive():
-            raise RuntimeError("engine is restarting" if self._restarting else "engine is not running")
-        stalled_s = self._stalled_s()
-        if stalled_s > self._stall_timeout_s:
-            raise RuntimeError(f"engine made no progress for {stalled_s:.0f} s with work queued "
-                               f"(engine_stall_timeout_s={self._stall_timeout_s:g})")
-
-    def _on_step(self, stats: Any, outputs: Any) -> None:
-        self._last_progress = time.monotonic()
-
-    def _stalled_s(self) -> float:
-        """Seconds since the engine last showed progress while it had work; 0 while idle."""
-        now = time.monotonic()
-        if not self.engine.has_work():
-            self._last_progress = now  # idle is progress: the clock starts when work is there
-            return 0.0
-        return now - self._last_progress
+        EngineSupervisor.health_problem says what fails it (a dead, restarting or wedged engine)."""
+        problem = self._supervisor.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
 
     async def ready(self) -> dict[str, Any]:
         """The ingress's readiness probe: answered only once __init__ has loaded the model and built the engine
@@ -378,7 +254,7 @@ class EngineReplica:
         load = self.engine.load()
         return self.engine.block_state() | {"num_waiting": load.num_waiting, "num_running": load.num_running,
                                             "num_aborted": self._num_aborted, "num_batches": self._num_batches,
-                                            "num_engine_restarts": self._num_engine_restarts,
+                                            "num_engine_restarts": self._supervisor.num_restarts,
                                             "num_muxed_records": self._num_muxed_records,
                                             "num_subscriptions": self._muxes.num_open,
                                             "num_subscriptions_cancelled": self._num_subscriptions_cancelled,
@@ -397,6 +273,6 @@ class EngineReplica:
         endpoint = getattr(self, "_metrics_endpoint", None)
         if endpoint is not None:
             endpoint.close()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        supervisor = getattr(self, "_supervisor", None)
+        if supervisor is not None:
+            supervisor.shutdown()

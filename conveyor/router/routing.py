@@ -29,8 +29,8 @@ ROUTING_PREFIX_KEY = "routing_prefix"
 
 
 def _request_field(pending_request: PendingRequest | None, key: str) -> str | None:
-    """A string field of the ingress's request record (conveyor/router/replica.make_request), or None (health probes
-    and other callers do not send one)."""
+    """A string field of the ingress's request record (conveyor/router/handle_records.make_request), or None
+    (health probes and other callers do not send one)."""
     if pending_request is None:
         return None
     value = pending_request.kwargs.get(key) if pending_request.kwargs else None

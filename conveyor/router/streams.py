@@ -1,4 +1,6 @@
-"""Replica streams through the handle: start (retry on a dead replica, typed errors), merge choices, SSE."""
+"""Replica streams through the handle: start one (retry on a dead replica, hand-backs, typed errors), read its
+records (its own stream and the ingress's subscription, router/mux.py), and start over a request that is not
+streamed when its replica fails. Writing the records out as SSE is sse_stream.py's."""
 from __future__ import annotations
 
 import asyncio
@@ -11,12 +13,10 @@ from typing import Any
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.responses import StreamingResponse
 
 from conveyor.router.demux import SUBSCRIPTION_ENDED, Demux
 from conveyor.router.drain import DEPARTURES, HAND_BACK, ROUTE_KEY
 from conveyor.router.errors import ApiError
-from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat, sse, usage_of
 from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY
 
 logger = logging.getLogger("ray.serve")  # Serve routes this logger into its replica log files
@@ -239,76 +239,3 @@ async def _wait_assigned(gen: DeploymentResponseGenerator, timeout_s: float) -> 
         await asyncio.wait_for(fetch(), timeout_s)
     except asyncio.TimeoutError:
         raise ApiError.unavailable(f"no replica became ready within {timeout_s:.0f}s") from None
-
-
-async def merge_records(streams: list[StartedStream]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """(choice position, record) from every stream as they come; the first failure is raised."""
-    if len(streams) == 1:  # the common case: no tasks, no queue
-        async for record in streams[0].records():
-            yield 0, record
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: StartedStream) -> None:
-        try:
-            async for record in stream.records():
-                queue.put_nowait((i, record))
-            queue.put_nowait((i, None))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def sse_body(started: list[StartedStream], states: list[ChoiceState],
-                   fmt: ChatFormat | CompletionFormat, include_usage: bool,
-                   on_cut: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
-    seen: set[int] = set()
-    try:
-        async for i, record in merge_records(started):
-            states[i].update(record)
-            for chunk in fmt.chunk(states[i], record, first=i not in seen):
-                yield sse(chunk)
-            seen.add(i)
-        if include_usage:
-            yield sse(fmt.usage_chunk(usage_of(states)))
-    except Exception as exc:  # a replica died mid-stream: say so, then end the stream cleanly
-        logger.warning("stream cut mid-way: %r", exc)
-        if on_cut is not None:
-            on_cut()
-        error = ApiError.server("the replica serving this stream failed; the output is incomplete")
-        yield sse({"error": error.info.model_dump()})
-    finally:
-        for s in started:  # also runs when the client disconnects: aborts the engine requests
-            s.cancel()
-    yield sse("[DONE]")
-
-
-class ReplicaStreamingResponse(StreamingResponse):
-    """SSE that cancels its replica streams however the response ends. The body's own `finally` is not
-    enough: a client gone before the first chunk leaves the body generator unstarted, so it never runs."""
-
-    def __init__(self, body: AsyncIterator[bytes], started: list[StartedStream]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._started = started
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for s in self._started:  # idempotent: a finished or already cancelled stream ignores it
-                s.cancel()

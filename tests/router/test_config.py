@@ -136,7 +136,7 @@ def test_protocol_rejects(bad: dict) -> None:
 
 
 def test_make_request_carries_a_routing_prefix() -> None:
-    from conveyor.router.replica import ROUTING_PREFIX_CHARS, make_request
+    from conveyor.router.handle_records import ROUTING_PREFIX_CHARS, make_request
     from conveyor.serving.request import SamplingParams
 
     params = SamplingParams()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
+from conveyor.router.handle_records import apply_generation_defaults
 from conveyor.router.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.router.replica import apply_generation_defaults
 from conveyor.serving.models.hub import SMOLLM2_GENERATION, add_generation_defaults
 from conveyor.serving.models.loader import generation_defaults
 

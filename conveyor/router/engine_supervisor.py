@@ -1,0 +1,87 @@
+"""The engine of one replica (router/replica.py), kept running: started from a factory, restarted in place when its
+process dies, and judged for Serve's health check (dead, restarting, wedged). No Ray here: testable without it."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from conveyor.serving.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSupervisor:
+    def __init__(self, factory: Callable[[], EngineClient], *, stall_timeout_s: float, name: str = "",
+                 on_start: Callable[[EngineClient], None] | None = None) -> None:
+        """factory builds an engine (now, and again after its process died). on_start(engine) runs for every engine
+        started, before it takes requests: the replica binds its metrics there."""
+        self._factory = factory
+        self._name = name  # the replica's id, for the log
+        self._on_start = on_start
+        self.stall_timeout_s = stall_timeout_s
+        self.restarting = False
+        self.num_restarts = 0
+        # Liveness of the engine itself: a step completed recently, or nothing to do (see health_problem).
+        self._last_progress = time.monotonic()
+        self.engine = factory()
+        self._attach(self.engine)
+
+    def _attach(self, engine: EngineClient) -> None:
+        if self._on_start is not None:
+            self._on_start(engine)
+        engine.add_step_listener(self._on_step)
+        if hasattr(engine, "on_exit"):  # ProcessEngine: its child can die under us
+            engine.on_exit = self._on_engine_exit
+
+    def _on_step(self, stats: Any, outputs: Any) -> None:
+        self._last_progress = time.monotonic()
+
+    def _on_engine_exit(self) -> None:
+        """The engine process died (kill -9, OOM); its streams have failed already. Start a new one beside: the
+        replica is unhealthy and hands back whatever arrives until it is up (seconds), so it is back well within
+        Serve's replacement of the whole replica."""
+        if self.restarting:
+            return
+        self.restarting = True
+        logger.error("engine process of replica %s died; restarting it", self._name)
+        threading.Thread(target=self._restart, name="conveyor-engine-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        old = self.engine
+        try:
+            old.shutdown()
+            engine = self._factory()
+        except Exception:  # noqa: BLE001 - the health check keeps failing: Serve replaces the replica
+            logger.exception("engine restart failed on replica %s", self._name)
+            return
+        self._attach(engine)
+        self.engine = engine
+        self._last_progress = time.monotonic()
+        self.num_restarts += 1
+        self.restarting = False
+        logger.warning("engine process of replica %s restarted", self._name)
+
+    def health_problem(self) -> str | None:
+        """Why the replica is unhealthy now, or None. A dead engine process is, and so is a live one that has work
+        but completed no step for stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it)."""
+        if not self.engine.is_alive():
+            return "engine is restarting" if self.restarting else "engine is not running"
+        stalled_s = self.stalled_s()
+        if stalled_s > self.stall_timeout_s:
+            return (f"engine made no progress for {stalled_s:.0f} s with work queued "
+                    f"(engine_stall_timeout_s={self.stall_timeout_s:g})")
+        return None
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine last showed progress while it had work; 0 while idle."""
+        now = time.monotonic()
+        if not self.engine.has_work():
+            self._last_progress = now  # idle is progress: the clock starts when work is there
+            return 0.0
+        return now - self._last_progress
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
