@@ -211,16 +211,17 @@ class LLMEngine:
         return Request(request_id or uuid.uuid4().hex, token_ids, params, eos_token_id=self.eos_token_id,
                        max_tokens=max_tokens)
 
-    def add_request(self, request: Request, *, process_outputs: bool = True) -> None:
+    def add_request(self, request: Request, *, process_outputs: bool = True, check_ttft: bool = True) -> None:
         """Queue a request made by make_request; raises QueueFullError past the waiting bound. process_outputs=False:
         another process turns this engine's core outputs into text (engine_core_loop.py), so nothing is registered
-        in this engine's output processor, which never runs there and would keep every request's prompt."""
+        in this engine's output processor, which never runs there and would keep every request's prompt.
+        check_ttft=False: TTFT admission decided already (the engine process's inbox thread)."""
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         structured = request.sampling_params.structured
         if structured is not None and request.grammar is None:
             request.grammar = self.grammar_compiler().submit(structured)
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, check_ttft=check_ttft)
         if process_outputs:
             self.output_processor.add(request.request_id, request.prompt_token_ids, request.sampling_params)
 

@@ -151,7 +151,7 @@ class _Core:
                 self.inbox.send(Reject(request_id, "engine_error", f"engine step failed: {exc}"))
             self.inbox.send(LoadReport(self.load()))
             return
-        self.inbox.forecast = self.engine.scheduler.ttft_forecast()
+        self.inbox.set_forecast(self.engine.scheduler.ttft_forecast())
         self.inbox.send(Step(outputs, stats, self.load()))
 
     def _drain(self) -> int:
@@ -159,7 +159,7 @@ class _Core:
         while (message := self.inbox.get()) is not None:
             self._apply(message)
             applied += 1
-        self.inbox.forecast = self.engine.scheduler.ttft_forecast()
+        self.inbox.set_forecast(self.engine.scheduler.ttft_forecast())
         return applied
 
     def _apply(self, message: Any) -> None:
@@ -194,7 +194,7 @@ class _Core:
             # its request with finish_reason "error".
             request = self.engine.make_request(message.prompt_token_ids, message.params, message.request_id,
                                                validate_grammar=False)
-            self.engine.add_request(request, process_outputs=False)
+            self.engine.add_request(request, process_outputs=False, check_ttft=not message.ttft_admitted)
         except QueueFullError as exc:
             self.inbox.send(Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:

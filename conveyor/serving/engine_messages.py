@@ -27,6 +27,8 @@ class Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Set by the engine process's inbox thread once it has held the request against the TTFT target: final.
+    ttft_admitted: bool = False
 
 
 @dataclass(slots=True)

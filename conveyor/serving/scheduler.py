@@ -74,7 +74,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, *, check_ttft: bool = True) -> None:
+        """Queue a request, or raise QueueFullError (429 upstream). check_ttft=False: the engine process's inbox
+        thread has held it against the TTFT target already (engine_inbox.py), and that decision is final."""
         if len(self.waiting) >= self.max_queued_requests():
             raise QueueFullError(f"waiting queue full ({len(self.waiting)} requests)")
         if self._num_waiting_tokens + request.num_tokens > self.config.max_waiting_tokens:
@@ -84,26 +86,27 @@ class Scheduler:
             if wait_s > self.config.max_queue_wait_s:
                 raise QueueFullError(f"expected wait for a batch slot ({wait_s:.1f} s) exceeds max_queue_wait_s",
                                      retry_after_s=min(wait_s, 60.0))
-        if self.budget.sheds_by_ttft:
+        if check_ttft and self.budget.sheds_by_ttft:
             self._check_ttft(request)
         self.requests[request.request_id] = request
         self._enqueue(request)
 
     def ttft_forecast(self) -> TtftForecast | None:
         """The predicted wait for a new request's first token ahead of its own prompt: the prefill of running
-        prompts and of the queue. None when TTFT admission is off, unfitted, or nothing is queued ahead (then
-        nothing is refused: a prompt too long for the target alone would miss it at any time)."""
+        prompts and of the queue. None when TTFT admission is off or the step cost unfitted. With nothing queued
+        ahead (backlog_tokens 0) nothing is refused: a prompt too long for the target alone would miss it at any
+        time."""
         if not self.budget.sheds_by_ttft:
             return None
         ahead = [(r.num_computed_tokens, r.num_tokens) for r in self.running if r.num_tokens_to_schedule > 1]
         ahead += [(0, r.num_tokens) for r in self.waiting]
-        return self.budget.ttft_forecast(self.running, ahead) if ahead else None
+        return self.budget.ttft_forecast(self.running, ahead)
 
     def _check_ttft(self, request: Request) -> None:
         """Refuse a request whose first token is predicted later than the TTFT target: the prefill queued ahead
         of it and its own uncached prompt, at the pace the step budget grants prefill."""
         forecast = self.ttft_forecast()
-        if forecast is None:
+        if forecast is None or forecast.backlog_tokens == 0:
             return
         # A read of the prefix cache that memoizes nothing: a refused request must leave no state behind.
         cached = cached_prefix_tokens(self.kv_cache.pool, self.kv_cache.block_size, request.prompt_token_ids)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.request import Request
 from conveyor.serving.step_cost import KV_SCALE, StepCostModel
-from conveyor.serving.ttft_forecast import TtftForecast
+from conveyor.serving.ttft_forecast import TtftForecast, causal_kv_reads
 
 # Token budget while the step-cost model is still learning: small and safe.
 COLD_START_BUDGET = 64
@@ -124,7 +124,7 @@ class StepBudget:
             coef=(a, b, c, d * KV_SCALE), num_decodes=num_decodes, decode_kv_reads=decode_kv_reads,
             num_seqs=num_seqs, prefill_per_step=max(step_tokens - num_decodes, 1),
             backlog_tokens=sum(end - start for start, end in backlog),
-            backlog_kv_reads=sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in backlog),
+            backlog_kv_reads=sum(causal_kv_reads(start, end) for start, end in backlog),
             limit_s=self.ttft_limit_s())
 
     def ttft_limit_s(self) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conveyor.serving.block_pool import ROOT_HASH, hash_block
 
@@ -33,15 +33,28 @@ class TtftForecast:
         a, b, c, d = self.coef
         num_tokens = self.backlog_tokens + end - start
         num_steps = math.ceil(num_tokens / self.prefill_per_step)
-        kv_reads = self.backlog_kv_reads + (end * (end + 1) - start * (start + 1)) // 2
+        kv_reads = self.backlog_kv_reads + causal_kv_reads(start, end)
         return (a * num_steps + b * (num_steps * self.num_decodes + num_tokens) + c * num_steps * self.num_seqs
                 + d * (num_steps * self.decode_kv_reads + kv_reads))
+
+    def with_backlog(self, ranges: Sequence[tuple[int, int]]) -> TtftForecast:
+        """This forecast with the prompt token ranges [start, end) queued behind its backlog (requests admitted
+        since it was taken)."""
+        if not ranges:
+            return self
+        return replace(self, backlog_tokens=self.backlog_tokens + sum(end - start for start, end in ranges),
+                       backlog_kv_reads=self.backlog_kv_reads + sum(causal_kv_reads(*r) for r in ranges))
 
     def step_s(self) -> float:
         """One step at this pace (its prefill's own KV reads left out): what the step in flight takes off the
         backlog before a request that arrives during it is looked at."""
         a, b, c, d = self.coef
         return a + b * (self.num_decodes + self.prefill_per_step) + c * self.num_seqs + d * self.decode_kv_reads
+
+
+def causal_kv_reads(start: int, end: int) -> int:
+    """KV rows that computing a prompt's tokens [start, end) reads: each token attends to its causal prefix."""
+    return (end * (end + 1) - start * (start + 1)) // 2
 
 
 def cached_prefix_tokens(pool, block_size: int, token_ids: Sequence[int]) -> int:  # noqa: ANN001 - BlockPool

@@ -29,9 +29,12 @@ def test_forecast_is_what_admission_holds_a_prompt_against():
     assert 0.09 < forecast.step_s() < 0.11
 
 
-def test_no_forecast_without_a_backlog_or_a_target():
+def test_no_refusal_without_a_backlog_and_no_forecast_without_a_target():
     scheduler, _ = _scheduler_with_known_cost()
-    assert scheduler.ttft_forecast() is None  # decodes only: nothing queued ahead
+    forecast = scheduler.ttft_forecast()
+    assert forecast is not None and forecast.backlog_tokens == 0  # decodes only: nothing queued ahead
+    scheduler.add_request(make_request("alone", 5000, 8, first_token=100))  # too long for the target alone
+    assert scheduler.num_refused_ttft == 0
     scheduler, _ = _scheduler_with_known_cost(admission_policy="queue")
     scheduler.add_request(make_request("q", 1000, 8, first_token=100))
     assert scheduler.ttft_forecast() is None
@@ -76,7 +79,7 @@ def test_inbox_refuses_at_once_and_passes_the_rest_in_order():
     ours, theirs = socket.socketpair()
     child, parent = Connection(ours.detach()), Connection(theirs.detach())
     inbox = Inbox(child, lambda token_ids: 0)
-    inbox.forecast = _forecast(3000)
+    inbox.set_forecast(_forecast(3000))
     inbox.start()
     for message in (_add("fits", 100), _add("late", 2000), Abort("fits"), _add("also-fits", 50)):
         parent.send(message)
@@ -108,15 +111,51 @@ def test_inbox_refuses_at_once_and_passes_the_rest_in_order():
     assert closed.wait(5.0)
 
 
+def test_the_inbox_decision_is_final_and_counts_what_it_admitted():
+    scheduler, _ = _scheduler_with_known_cost()
+    for i in range(3):
+        scheduler.add_request(make_request(f"q{i}", 1000, 8, first_token=100 + i))
+    late = make_request("late", 1000, 8, first_token=200)
+    scheduler.add_request(late, check_ttft=False)  # the inbox admitted it: not held against the target again
+    assert scheduler.num_refused_ttft == 0 and "late" in scheduler.requests
+
+    ours, theirs = socket.socketpair()
+    child, parent = Connection(ours.detach()), Connection(theirs.detach())
+    inbox = Inbox(child, lambda token_ids: 0)
+    inbox.set_forecast(_forecast(1000))
+    inbox.start()
+    # Each fits behind the forecast's backlog alone; the third does not behind the two admitted before it.
+    for name in ("a", "b", "c"):
+        parent.send(_add(name, 900))
+    assert parent.poll(5.0)
+    assert parent.recv().request_id == "c"
+    first = _get(inbox)
+    assert first.request_id == "a" and first.ttft_admitted
+    # The step thread took "a" and its next forecast holds it: only "b" still counts on top of it.
+    inbox.set_forecast(_forecast(1900))
+    assert [(start, end) for _, start, end in inbox._admitted] == [(0, 900)]
+    assert _get(inbox).request_id == "b"
+    inbox.set_forecast(_forecast(0))
+    parent.send(_add("d", 5000))  # nothing queued ahead: a prompt alone is not refused
+    message = _get(inbox)
+    assert message.request_id == "d" and message.ttft_admitted and inbox.num_refused_early == 1
+    parent.close()
+
+
+def _get(inbox: Inbox) -> Add:
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if (message := inbox.get(0.1)) is not None:
+            return message
+    raise AssertionError("nothing passed the inbox")
+
+
 def test_inbox_without_a_forecast_refuses_nothing():
     ours, theirs = socket.socketpair()
     child, parent = Connection(ours.detach()), Connection(theirs.detach())
     inbox = Inbox(child, lambda token_ids: 0)
     inbox.start()
     parent.send(_add("huge", 4000))
-    message = None
-    deadline = time.monotonic() + 5.0
-    while message is None and time.monotonic() < deadline:
-        message = inbox.get(0.1)
-    assert isinstance(message, Add) and not parent.poll(0.1)
+    message = _get(inbox)
+    assert isinstance(message, Add) and not message.ttft_admitted and not parent.poll(0.1)
     parent.close()
