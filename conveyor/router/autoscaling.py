@@ -49,6 +49,10 @@ class PolicyParams:
     scale_in_ratio: float = 0.5  # "comfortably under": every signal below this fraction of its target
     scale_in_sustain_s: float = 10.0  # ... for this long before one replica is removed
     max_scale_out_step: int = 0  # replicas added per decision at most; 0: double the fleet at most
+    # Requests refused for capacity (429: queue bound or TTFT admission) as a share of those arriving. Past
+    # capacity, TTFT admission keeps the queue short and the admitted requests' TTFT within the SLO, so refusals
+    # are the one signal that shows the demand a fleet turns away.
+    max_refused_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class PolicyInputs:
     num_running: float
     ttft_p99_s: float | None = None  # None: unknown (no traffic yet, or no data)
     itl_p99_s: float | None = None
+    refused_fraction: float = 0.0  # the highest replica's share of arrivals refused for capacity
 
 
 def decide(inputs: PolicyInputs, state: dict[str, Any], params: PolicyParams) -> tuple[int, dict[str, Any]]:
@@ -79,18 +84,20 @@ def decide(inputs: PolicyInputs, state: dict[str, Any], params: PolicyParams) ->
     # are gone, so an idle fleet is judged on its queue alone.
     ttft_ratio = _ratio(inputs.ttft_p99_s, params.ttft_p99_slo_s, idle)
     itl_ratio = _ratio(inputs.itl_p99_s, params.itl_p99_slo_s, idle)
+    refused_ratio = _ratio(inputs.refused_fraction, params.max_refused_fraction, False)
+    ratios = {"queue": queue_ratio, "ttft": ttft_ratio, "itl": itl_ratio, "refused": refused_ratio}
 
-    if queue_ratio > 1.0 or ttft_ratio > 1.0 or itl_ratio > 1.0:
+    if max(ratios.values()) > 1.0:
         state[STATE_CALM_SINCE] = state[STATE_SCALE_IN_TO] = None
         want = serving + 1
         if queue_ratio > 1.0:  # enough replicas to bring the queue back to its target
             want = max(want, math.ceil(inputs.num_waiting / params.target_queue_per_replica))
         step = params.max_scale_out_step or serving
         want = min(want, serving + step)
-        state[STATE_LAST_REASON] = _reason(queue_ratio, ttft_ratio, itl_ratio)
+        state[STATE_LAST_REASON] = max(ratios, key=ratios.__getitem__)
         return _clamp(max(want, base), lo, hi), state
 
-    comfortable = max(queue_ratio, ttft_ratio, itl_ratio) < params.scale_in_ratio
+    comfortable = max(ratios.values()) < params.scale_in_ratio
     if not comfortable or current != inputs.target_replicas:  # in the band, or still converging: hold
         state[STATE_CALM_SINCE] = state[STATE_SCALE_IN_TO] = None
         return _clamp(base, lo, hi), state
@@ -125,10 +132,6 @@ def _ratio(value: float | None, target: float, idle: bool) -> float:
     return value / target
 
 
-def _reason(queue: float, ttft: float, itl: float) -> str:
-    return max((queue, "queue"), (ttft, "ttft"), (itl, "itl"))[1]
-
-
 def _clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, n))
 
@@ -143,7 +146,8 @@ class QueueAndLatencyPolicy(PrometheusQueryMixin):
 
     def __init__(self, target_queue_per_replica: float = 4.0, ttft_p99_slo_s: float = 2.0,
                  itl_p99_slo_s: float = 0.2, scale_in_ratio: float = 0.5, scale_in_sustain_s: float = 10.0,
-                 max_scale_out_step: int = 0, prometheus_url: str | None = None, model: str | None = None,
+                 max_scale_out_step: int = 0, max_refused_fraction: float = 0.05,
+                 prometheus_url: str | None = None, model: str | None = None,
                  prometheus_window: str = "1m", prometheus_fetch_interval_s: float = 2.0,
                  report_to_registry: bool = True) -> None:
         self._ttft_query = promql_p99("conveyor_time_to_first_token_seconds", model, prometheus_window)
@@ -156,7 +160,8 @@ class QueueAndLatencyPolicy(PrometheusQueryMixin):
         self.model = model
         self._params = dict(target_queue_per_replica=target_queue_per_replica, ttft_p99_slo_s=ttft_p99_slo_s,
                             itl_p99_slo_s=itl_p99_slo_s, scale_in_ratio=scale_in_ratio,
-                            scale_in_sustain_s=scale_in_sustain_s, max_scale_out_step=max_scale_out_step)
+                            scale_in_sustain_s=scale_in_sustain_s, max_scale_out_step=max_scale_out_step,
+                            max_refused_fraction=max_refused_fraction)
         self._reporter = _FleetReporter() if report_to_registry else None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -174,6 +179,7 @@ class QueueAndLatencyPolicy(PrometheusQueryMixin):
         running = sum(metrics.get("num_running", {}).values())
         ttft = _max_or_none(metrics.get("ttft_p99_s", {}).values())
         itl = _max_or_none(metrics.get("itl_p99_s", {}).values())
+        refused = _max_or_none(metrics.get("refused_fraction", {}).values()) or 0.0
         if self._use_prometheus:  # the fleet-wide p99 from the histograms, when Prometheus answers
             prom = self.prometheus_metrics or {}
             ttft = prom.get(self._ttft_query, ttft)
@@ -181,7 +187,7 @@ class QueueAndLatencyPolicy(PrometheusQueryMixin):
         now = ctx.current_time if getattr(ctx, "current_time", None) is not None else time.time()
         return PolicyInputs(now=now, current_replicas=ctx.current_num_replicas,
                             target_replicas=ctx.target_num_replicas, num_waiting=waiting, num_running=running,
-                            ttft_p99_s=ttft, itl_p99_s=itl)
+                            ttft_p99_s=ttft, itl_p99_s=itl, refused_fraction=refused)
 
 
 def _max_or_none(values: Any) -> float | None:
@@ -238,6 +244,7 @@ class AutoscalingArgs(BaseModel):
     scale_in_ratio: float = Field(0.5, gt=0, lt=1)
     scale_in_sustain_s: float = Field(30.0, ge=0)
     max_scale_out_step: int = Field(0, ge=0)
+    max_refused_fraction: float = Field(0.05, gt=0, le=1)
     upscale_delay_s: float = Field(2.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
     metrics_interval_s: float = Field(0.5, gt=0)  # Serve's default (10 s) is far too slow for a queue signal
@@ -254,7 +261,7 @@ class AutoscalingArgs(BaseModel):
     def serve_config(self, model: str) -> dict[str, Any]:
         kwargs = self.model_dump(include={"target_queue_per_replica", "ttft_p99_slo_s", "itl_p99_slo_s",
                                           "scale_in_ratio", "scale_in_sustain_s", "max_scale_out_step",
-                                          "prometheus_url", "prometheus_window"})
+                                          "max_refused_fraction", "prometheus_url", "prometheus_window"})
         config = self.model_dump(include={"min_replicas", "max_replicas", "initial_replicas",
                                           "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
                                           "look_back_period_s"}, exclude_none=True)

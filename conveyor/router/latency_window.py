@@ -1,4 +1,5 @@
-"""Latency samples over a sliding time window: the replica's TTFT and inter-token p99 for the autoscaling policy."""
+"""Samples over a sliding time window: the replica's TTFT and inter-token p99, and its share of requests refused,
+for the autoscaling policy."""
 from __future__ import annotations
 
 import time
@@ -16,10 +17,15 @@ class LatencyWindow:
         self._samples.append((time.monotonic() if now is None else now, value))
 
     def percentile(self, q: float, now: float | None = None) -> float:
+        values = sorted(self._values(now))
+        return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+    def mean(self, now: float | None = None) -> float:
+        values = self._values(now)
+        return sum(values) / len(values) if values else 0.0
+
+    def _values(self, now: float | None) -> list[float]:
         cutoff = (time.monotonic() if now is None else now) - self.window_s
         while self._samples and self._samples[0][0] < cutoff:
             self._samples.popleft()
-        if not self._samples:
-            return 0.0
-        values = sorted(v for _, v in self._samples)
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return [v for _, v in self._samples]

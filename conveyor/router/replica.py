@@ -24,6 +24,8 @@ from conveyor.serving.engine_client import EngineClient, EngineDeadError
 from conveyor.serving.outputs import RequestOutput, merge_outputs
 from conveyor.serving.scheduler import QueueFullError
 
+REFUSED_WINDOW_S = 10.0
+
 logger = logging.getLogger(__name__)
 
 # A subscription with no request attached ends after this long (the ingress opens a new one when it needs it).
@@ -48,6 +50,9 @@ class EngineReplica:
         self._num_aborted = 0  # streams closed before their end (client gone): evidence for tests
         self._ttft = LatencyWindow(latency_window_s)
         self._itl = LatencyWindow(latency_window_s)
+        # 1.0 per request refused for capacity, 0.0 per admitted; a short window, so that the share falls soon
+        # after a scale-out instead of asking for more replicas for a minute.
+        self._refused = LatencyWindow(REFUSED_WINDOW_S)
         # Prometheus metrics (conveyor/serving/metrics.py): fed on the engine thread after every step, served on
         # this replica's own port and advertised for service discovery (conveyor/router/metrics_registry.py).
         self.metrics = EngineMetrics(model_name or engine_config.model.model, self._replica_id)
@@ -92,6 +97,7 @@ class EngineReplica:
             stream = self.engine.generate(prompt, params, request.get("request_id"), coalesce=True)
             start = time.monotonic()
             output = await anext(stream)
+            self._refused.add(0.0)
             if output.finish_reason == "error":  # ended before its first token
                 raise ValueError("the request ended before its first token: its structured-output constraint "
                                  "could not be compiled for this model, or its settings left no token to sample "
@@ -100,6 +106,7 @@ class EngineReplica:
             yield {"error": HAND_BACK, "message": str(exc)}
             return
         except QueueFullError as exc:
+            self._refused.add(1.0)
             self.metrics.observe_rejected(exc.reason)
             yield {"error": "queue_full", "message": str(exc), "retry_after_s": exc.retry_after_s}
             return
@@ -229,7 +236,7 @@ class EngineReplica:
         load = self.engine.load()
         return {"num_waiting": float(load.num_waiting), "num_running": float(load.num_running),
                 "kv_cache_usage": float(load.kv_cache_usage), "ttft_p99_s": self._ttft.percentile(0.99),
-                "itl_p99_s": self._itl.percentile(0.99)}
+                "itl_p99_s": self._itl.percentile(0.99), "refused_fraction": self._refused.mean()}
 
     async def check_health(self) -> None:
         """Serve calls this every health_check_period_s; after 3 failures in a row it replaces the replica.

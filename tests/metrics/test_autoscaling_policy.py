@@ -7,11 +7,13 @@ import pytest
 
 from conveyor.router.autoscaling import (
     STATE_CALM_SINCE,
+    STATE_LAST_REASON,
     PolicyInputs,
     PolicyParams,
     QueueAndLatencyPolicy,
     decide,
 )
+from conveyor.router.latency_window import LatencyWindow
 
 P = PolicyParams(target_queue_per_replica=4, ttft_p99_slo_s=1.0, itl_p99_slo_s=0.1, min_replicas=1,
                  max_replicas=6, scale_in_ratio=0.5, scale_in_sustain_s=10.0)
@@ -101,9 +103,37 @@ def test_holds_target_while_scale_out_is_in_progress() -> None:
     assert target == 4 and state[STATE_CALM_SINCE] is None
 
 
-def _ctx(current: int, waiting: dict[str, float], ttft: dict[str, float], state: dict | None = None):
+def test_refusals_alone_scale_out_and_hold_scale_in() -> None:
+    """Past capacity TTFT admission keeps the queue short and the admitted TTFT under the SLO: the share of
+    requests refused is then the only sign of the demand turned away."""
+    def inputs(refused: float, now: float = 0.0) -> PolicyInputs:
+        return PolicyInputs(now=now, current_replicas=2, target_replicas=2, num_waiting=1, num_running=8,
+                            ttft_p99_s=0.4, itl_p99_s=0.02, refused_fraction=refused)
+
+    target, state = decide(inputs(0.25), {}, P)
+    assert target == 3 and state[STATE_LAST_REASON] == "refused"
+    assert decide(inputs(0.04), {}, P)[0] == 2  # under max_refused_fraction (5%): no scale-out
+    state = {}
+    for i in range(200):  # 20 s at 4% refused: above scale_in_ratio x 5%, so never comfortable
+        target, state = decide(inputs(0.04, now=i * TICK), state, P)
+        assert target == 2
+
+
+def test_refused_share_over_a_sliding_window() -> None:
+    window = LatencyWindow(window_s=10.0)
+    assert window.mean(now=0.0) == 0.0
+    for t, refused in ((0.0, 1.0), (1.0, 1.0), (5.0, 0.0), (9.0, 0.0)):
+        window.add(refused, now=t)
+    assert window.mean(now=9.5) == 0.5
+    assert window.mean(now=11.5) == 0.0  # the two refusals have left the window
+    assert window.percentile(0.99, now=11.5) == 0.0
+
+
+def _ctx(current: int, waiting: dict[str, float], ttft: dict[str, float], state: dict | None = None,
+         refused: dict[str, float] | None = None):
     metrics = {"num_waiting": waiting, "num_running": {k: 1.0 for k in waiting}, "ttft_p99_s": ttft,
-               "itl_p99_s": {k: 0.01 for k in waiting}, "kv_cache_usage": {k: 0.1 for k in waiting}}
+               "itl_p99_s": {k: 0.01 for k in waiting}, "kv_cache_usage": {k: 0.1 for k in waiting},
+               "refused_fraction": refused or {}}
     return SimpleNamespace(config=SimpleNamespace(min_replicas=1, max_replicas=5),
                            current_num_replicas=current, target_num_replicas=current,
                            aggregated_metrics=metrics, total_queued_requests=0,
@@ -117,8 +147,10 @@ def test_policy_reads_serve_context() -> None:
     assert target == 4  # 9 waiting / 2 per replica -> 5, capped at doubling
     target, _ = policy(_ctx(2, {"a": 0.0, "b": 1.0}, {"a": 0.1, "b": 1.5}))  # one replica's p99 breaches
     assert target == 3
+    target, _ = policy(_ctx(2, {"a": 0.0, "b": 1.0}, {"a": 0.1, "b": 0.2}, refused={"a": 0.0, "b": 0.3}))
+    assert target == 3  # one replica refuses 30% of its arrivals
     inputs = policy.inputs_from_context(_ctx(1, {}, {}))
-    assert inputs.ttft_p99_s is None and inputs.num_waiting == 0
+    assert inputs.ttft_p99_s is None and inputs.num_waiting == 0 and inputs.refused_fraction == 0.0
 
 
 def test_with_serves_own_wrapper_delays_and_startup_lag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -279,8 +279,9 @@ def test_replica_publishes_routing_and_autoscaling_stats(client: OpenAI) -> None
                             "max_waiting_requests"}
     assert routing["max_num_seqs"] == 8
     scaling = handle.record_autoscaling_stats.remote().result(timeout_s=10)
-    assert {"num_waiting", "num_running", "kv_cache_usage", "ttft_p99_s", "itl_p99_s"} <= set(scaling)
-    assert scaling["ttft_p99_s"] > 0 and scaling["itl_p99_s"] > 0
+    assert {"num_waiting", "num_running", "kv_cache_usage", "ttft_p99_s", "itl_p99_s",
+            "refused_fraction"} <= set(scaling)
+    assert scaling["ttft_p99_s"] > 0 and scaling["itl_p99_s"] > 0 and 0 <= scaling["refused_fraction"] < 1
     assert all(isinstance(v, float) for v in scaling.values())
 
 
