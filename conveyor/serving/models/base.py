@@ -27,6 +27,8 @@ class CausalLM(nn.Module):
     FUSED_SHARDS: dict[str, tuple[str, int]] = LLAMA_FUSED_SHARDS
     # Whether gguf_weights.py maps llama.cpp's layout of this family's linears (q/k row order, fused tensors).
     GGUF_BLOCKS = True
+    # Checkpoint tensors under these prefixes are never read (parts of a multimodal checkpoint that do not run).
+    SKIPPED_PREFIXES: tuple[str, ...] = ()
     model: nn.Module
 
     def __init__(self, config) -> None:

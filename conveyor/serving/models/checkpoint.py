@@ -36,12 +36,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return shards
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) from every shard, one tensor at a time, so peak memory stays ~one model."""
+def iter_safetensors(model_dir: Path, skip_prefixes: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from every shard, one tensor at a time, so peak memory stays ~one model.
+    skip_prefixes: names not read at all (a multimodal checkpoint's vision tower, when only its text part runs)."""
     for shard in safetensors_files(model_dir):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                yield name, f.get_tensor(name)
+                if not name.startswith(skip_prefixes):
+                    yield name, f.get_tensor(name)
 
 
 def stored_dtype(model_dir: Path) -> torch.dtype | None:

@@ -6,8 +6,11 @@ per layer), the softmax scale comes from query_pre_attn_scalar, the MLP is GELU-
 between sliding-window ("sliding_attention") and global ("full_attention") attention. Gemma 2 soft-caps the
 attention scores and the final logits (tanh); Gemma 3 instead normalizes every query and key head, and gives its
 local layers their own rope base (rope_local_base_freq): two rotary tables, each layer reads its own type's.
+A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration) serves text prompts with its language model.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +18,7 @@ from torch import Tensor, nn
 from conveyor.kernels import cpu_fused
 from conveyor.serving.attention import AttentionMetadata
 from conveyor.serving.models.base import CausalLM
+from conveyor.serving.models.hub import log
 from conveyor.serving.models.layers import Attention, GatedMLP, GemmaRMSNorm
 from conveyor.serving.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -126,3 +130,27 @@ class GemmaForCausalLM(CausalLM):
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+    """A Gemma 3 multimodal checkpoint served for text prompts: its language model (loader.read_config gives the
+    text_config) with the weights renamed from `language_model.model.*` (the layout transformers saves and the hub
+    holds) or `model.language_model.*` (transformers 5's module names) to Gemma3ForCausalLM's; the vision tower and
+    the projector are never read."""
+    SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.",
+                        "model.vision_tower.", "model.multi_modal_projector.")
+    _RENAMES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                "language_model.lm_head.": "lm_head."}
+
+    def __init__(self, config, attention_backend: str = "torch") -> None:
+        super().__init__(config, attention_backend)
+        # transformers' multimodal class takes the LM head's logits as they are, whatever text_config's
+        # final_logit_softcapping says (Gemma 3's own checkpoints leave it null)
+        self.final_logit_softcapping = None
+        log("Gemma3ForConditionalGeneration: serving its language model for text prompts; the vision tower and "
+            "projector weights are not loaded (image inputs are not supported)")
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
+        for name, tensor in weights:
+            prefix = next((p for p in self._RENAMES if name.startswith(p)), None)
+            yield (name if prefix is None else self._RENAMES[prefix] + name[len(prefix):]), tensor

@@ -153,8 +153,16 @@ _REQUIRED_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_v
 def read_config(path: Path) -> PretrainedConfig:
     """The model's config from config.json. A plain PreTrainedConfig where the file has every key we read (and the
     rope base): AutoConfig imports the model's config module, and with it torch.distributed.tensor (~1.2 s of CPU
-    in every engine start). Otherwise AutoConfig, whose class defaults fill in what the file leaves out."""
+    in every engine start). Otherwise AutoConfig, whose class defaults fill in what the file leaves out.
+    A multimodal config (Gemma 3's, with a text_config): its language model's, naming the checkpoint's
+    architectures (the registry serves the text part of those it lists)."""
     raw = json.loads((Path(path) / "config.json").read_text())
+    if isinstance(raw.get("text_config"), dict):
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(path).get_text_config()
+        text.architectures = raw.get("architectures")
+        return text
     if all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw):
         return _plain_config(path, raw)
     from transformers import AutoConfig
@@ -171,7 +179,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, attention_b
     config = read_config(path)
     architecture_of(config)  # ValueError listing the supported architectures
     net = build_model(config, dtype, torch.device(device), attention_backend, max_model_len)
-    net.load_weights(iter_safetensors(path))
+    net.load_weights(iter_safetensors(path, net.SKIPPED_PREFIXES))
     net.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
     net.source_dir = path  # where optional extras (a GGUF's quantized blocks) are found
     tokenizer = load_tokenizer(path, config)

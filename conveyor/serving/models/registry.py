@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForConditionalGeneration"),  # text prompts only
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
