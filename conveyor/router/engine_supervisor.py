@@ -1,5 +1,6 @@
 """The engine of one replica (router/replica.py), kept running: started from a factory, restarted in place when its
-process dies, and judged for Serve's health check (dead, restarting, wedged). No Ray here: testable without it."""
+process dies, and judged for Serve's health check (dead, restarting, wedged, or faulted on the GPU). No Ray here:
+testable without it."""
 from __future__ import annotations
 
 import logging
@@ -45,6 +46,10 @@ class EngineSupervisor:
         Serve's replacement of the whole replica."""
         if self.restarting:
             return
+        if self.engine.device_fault is not None:  # health_problem fails from now on: Serve replaces the replica
+            logger.critical("engine of replica %s met a GPU device-side fault; the replica must be replaced: %s",
+                            self._name, self.engine.device_fault)
+            return
         self.restarting = True
         logger.error("engine process of replica %s died; restarting it", self._name)
         threading.Thread(target=self._restart, name="conveyor-engine-restart", daemon=True).start()
@@ -66,7 +71,11 @@ class EngineSupervisor:
 
     def health_problem(self) -> str | None:
         """Why the replica is unhealthy now, or None. A dead engine process is, and so is a live one that has work
-        but completed no step for stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it)."""
+        but completed no step for stall_timeout_s (a wedged engine: Serve would otherwise keep routing to it). An
+        engine that met a GPU device-side fault is for good: its replica's CUDA device may be unusable, so it is
+        not restarted in place; Serve replaces the replica after its failure threshold of checks."""
+        if self.engine.device_fault is not None:
+            return f"engine met a GPU device-side fault; this replica must be replaced: {self.engine.device_fault}"
         if not self.engine.is_alive():
             return "engine is restarting" if self.restarting else "engine is not running"
         stalled_s = self.stalled_s()

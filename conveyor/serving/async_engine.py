@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
-from conveyor.serving.engine_client import EngineLoad, RequestStream, post_all
+from conveyor.serving.engine_client import DeviceFaultError, EngineLoad, RequestStream, device_fault, post_all
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
@@ -30,6 +30,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
+        self._device_fault: str | None = None
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         factory = None if isinstance(engine, LLMEngine) else engine
         self._thread = threading.Thread(target=self._run, args=(factory,), name="conveyor-engine", daemon=True)
@@ -116,8 +117,12 @@ class AsyncEngine:
         return bool(self._streams)
 
     def is_alive(self) -> bool:
-        """False once the engine thread has stopped (shutdown or crash): a health check reads this."""
+        """False once the engine thread has stopped (shutdown, crash, a device fault): a health check reads this."""
         return self._thread.is_alive()
+
+    @property
+    def device_fault(self) -> str | None:
+        return self._device_fault
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -152,6 +157,9 @@ class AsyncEngine:
                     for listener in self._step_listeners:
                         listener(stats, outputs)
             except Exception as exc:  # keep serving: fail the live streams rather than dying silently
+                if (fault := device_fault(exc)) is not None:  # the GPU faulted: nothing here can step again
+                    self._stop_on_device_fault(fault, exc)
+                    return
                 logger.exception("engine step failed")
                 self._fail_all(exc)
 
@@ -196,3 +204,13 @@ class AsyncEngine:
         self.engine.abort_requests(live)
         for rid in live:
             self._post(rid, RuntimeError(f"engine step failed: {exc}"))
+
+    def _stop_on_device_fault(self, fault: str, exc: Exception) -> None:
+        """The thread ends (is_alive False) and every stream gets DeviceFaultError: one that has had no output can
+        be served elsewhere (the replica hands it back); this process's replica must be replaced."""
+        logger.critical("GPU device-side fault in the engine step: the engine stops and its replica must be "
+                        "replaced", exc_info=exc)
+        self._device_fault = fault
+        error = DeviceFaultError(f"engine stopped on a GPU device-side fault: {fault}")
+        for rid in list(self._streams):
+            self._post(rid, error)

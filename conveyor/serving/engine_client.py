@@ -94,6 +94,34 @@ class EngineDeadError(RuntimeError):
     generate. A request that has had no output yet can be served again elsewhere (router/replica.py hands it back)."""
 
 
+# What torch, cuBLAS and our kernels say when a kernel faults on the GPU. Such a fault is sticky: the process's CUDA
+# context is poisoned, every later launch fails or computes garbage, so the engine must not step on in it. Running
+# out of memory is not one of them: the context survives it (an allocation failed, nothing ran), so it stays an
+# ordinary step error.
+DEVICE_FAULT_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cudaError",
+                        "CUDNN_STATUS", "unspecified launch failure", "misaligned address", "illegal instruction")
+NOT_DEVICE_FAULTS = ("out of memory", "ALLOC_FAILED")
+
+
+def device_fault(exc: BaseException | None) -> str | None:
+    """The message of a GPU device-side fault in exc (or an exception it was raised from), or None for any other
+    error. Classified by message: torch raises these as RuntimeError (AcceleratorError in newer versions)."""
+    for _ in range(8):  # a chain of causes is short; the bound keeps a cyclic one from looping
+        if exc is None:
+            return None
+        text = str(exc)
+        if (isinstance(exc, RuntimeError) and any(m in text for m in DEVICE_FAULT_MARKERS)
+                and not any(m in text for m in NOT_DEVICE_FAULTS)):
+            return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class DeviceFaultError(EngineDeadError):
+    """The engine met a GPU device-side fault (device_fault): it steps no more, and its replica must be replaced
+    (a new process gets a new CUDA context). Raised into every live stream, as when the engine process dies."""
+
+
 
 class EngineClient(Protocol):
     """What the replica (router/replica.py) may call on its engine."""
@@ -124,7 +152,15 @@ class EngineClient(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def is_alive(self) -> bool: ...
+    def is_alive(self) -> bool:
+        """False once the engine can serve no more: its process or thread is gone, or it met a device fault."""
+        ...
+
+    @property
+    def device_fault(self) -> str | None:
+        """The GPU device-side fault that stopped the engine (its first line), or None: then the replica must be
+        replaced rather than its engine restarted in the same place."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

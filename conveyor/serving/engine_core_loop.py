@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 import traceback
@@ -13,12 +14,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving.config import EngineConfig
+from conveyor.serving.engine_client import DeviceFaultError, device_fault
 from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.engine_messages import (
     Abort,
     Add,
     BuildError,
     CoreLoad,
+    DeviceFault,
     LoadReport,
     Query,
     Ready,
@@ -35,6 +38,7 @@ from conveyor.serving.ttft_forecast import cached_prefix_tokens
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle engine blocks on the pipe; this only bounds how long a dead parent goes unseen
+EXIT_DEVICE_FAULT = 3  # the exit code after a GPU device-side fault (its parent logs it)
 
 
 def main() -> None:
@@ -70,6 +74,11 @@ def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: i
         core.run()
     except (EOFError, OSError, BrokenPipeError):
         pass  # the parent is gone: nobody to serve
+    except DeviceFaultError:
+        # The CUDA context is poisoned: no teardown in it (freeing its memory can hang or fault again). The
+        # parent has the DeviceFault message; it fails the live streams and its replica asks to be replaced.
+        logging.shutdown()
+        os._exit(EXIT_DEVICE_FAULT)
 
 
 def _build(config: EngineConfig, torch_num_threads: int | None):  # noqa: ANN202 - LLMEngine, imported late
@@ -136,14 +145,26 @@ class _Core:
 
     def _release_finished(self) -> None:
         try:
-            self.engine.release_finished()
-        except Exception:  # noqa: BLE001 - bookkeeping of ended requests: the next step releases them anyway
+            self.engine.release_finished()  # a step of the model runner: it can meet a device fault too
+        except Exception as exc:  # noqa: BLE001 - bookkeeping of ended requests: the next step releases them anyway
+            self._stop_on_device_fault(exc)
             logger.exception("releasing ended requests failed")
+
+    def _stop_on_device_fault(self, exc: Exception) -> None:
+        """A GPU device-side fault ends this process (DeviceFaultError, after telling the parent); others return."""
+        fault = device_fault(exc)
+        if fault is None:
+            return
+        logger.critical("GPU device-side fault in the engine step: this engine process stops and its replica "
+                        "must be replaced", exc_info=exc)
+        self.inbox.send(DeviceFault(fault))
+        raise DeviceFaultError(fault) from exc
 
     def _step(self) -> None:
         try:
             outputs, stats = self.engine.core_step()
         except Exception as exc:  # keep serving, as AsyncEngine does: fail the live requests, not the process
+            self._stop_on_device_fault(exc)  # ... unless the GPU faulted: then nothing here can step again
             logger.exception("engine step failed")
             live = list(self.engine.scheduler.requests)
             self.engine.abort_requests(live)
@@ -223,11 +244,18 @@ class _Core:
         if name == "fail_next_add":  # a test hook: the next Add raises inside the engine, as a bug there would
             self.handlers[Add] = self._add_that_raises
             return True
+        if name == "device_fault_next_step":  # a test hook: the next step raises as a faulting CUDA kernel does
+            self.engine.core_step = _raise_device_fault
+            return True
         return None
 
     def _add_that_raises(self, message: Add) -> None:
         self.handlers[Add] = self._add
         raise RuntimeError("injected failure (test hook)")
+
+
+def _raise_device_fault() -> None:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (injected: test hook)")
 
 
 if __name__ == "__main__":

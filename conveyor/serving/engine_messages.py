@@ -99,3 +99,11 @@ class Reject:
 class Reply:
     query_id: int
     value: Any
+
+
+@dataclass(slots=True)
+class DeviceFault:
+    """The last message of an engine process whose step met a GPU device-side fault (engine_client.device_fault):
+    it exits right after, and its live requests end as when it dies."""
+
+    text: str

@@ -15,7 +15,9 @@ A stop string is found here, so the parent aborts that request in the child, whi
 token for it by then (dropped).
 
 Faults: a message that fails on either side ends its own request(s) only. When the child dies, every stream and
-every later generate gets EngineDeadError at once, and on_exit lets the owner (the replica) start a new engine.
+every later generate gets EngineDeadError at once, and on_exit lets the owner (the replica) start a new engine. A
+step that meets a GPU device-side fault ends the child the same way, after a DeviceFault message: `device_fault`
+says so, and the owner has its replica replaced instead (engine_client.device_fault says why).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from conveyor.serving import engine_messages as msg
 from conveyor.serving import grammar
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.detokenizer import apply_chat_template, tokenize
-from conveyor.serving.engine_client import EngineDeadError, EngineLoad, RequestStream, post_all
+from conveyor.serving.engine_client import DeviceFaultError, EngineDeadError, EngineLoad, RequestStream, post_all
 from conveyor.serving.openmp_runtime import child_openmp_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import EngineStepStats, RequestOutput
@@ -111,6 +113,7 @@ class ProcessEngine:
         self._load = msg.CoreLoad(0, 0, 0.0, 1, 0.0, 0)
         self._stopped: Exception | None = None  # set by the reader when the child is gone: no stream may wait then
         self._shutting_down = False
+        self._device_fault: str | None = None  # set by the reader when the child reports a GPU device-side fault
         # Called on the reader thread once the child has died (not at shutdown), after every stream has failed:
         # the replica restarts its engine from here.
         self.on_exit: Callable[[], None] | None = None
@@ -182,6 +185,10 @@ class ProcessEngine:
 
     def is_alive(self) -> bool:
         return self._stopped is None and self._process.poll() is None and self._reader.is_alive()
+
+    @property
+    def device_fault(self) -> str | None:
+        return self._device_fault
 
     # ---- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -285,6 +292,9 @@ class ProcessEngine:
         try:
             while True:
                 message = self._conn.recv()
+                if isinstance(message, msg.DeviceFault):  # the child's last message: it exits now
+                    self._device_fault = message.text
+                    break
                 try:
                     self._dispatch(message)
                 except Exception:  # noqa: BLE001 - one bad message (a listener's bug) must not stop every stream
@@ -294,14 +304,24 @@ class ProcessEngine:
             pass
         except Exception:  # noqa: BLE001 - an unreadable message: fail the streams below rather than hang them
             logger.exception("engine process reader failed")
-        code = self._process.poll()
-        self._stopped = EngineDeadError(f"engine process stopped (exit code {code})")
+        self._stopped = self._death()
         self._fail_all(self._stopped)
         if self.on_exit is not None and not self._shutting_down:
             try:
                 self.on_exit()
             except Exception:  # noqa: BLE001 - the owner's hook; the streams are failed already
                 logger.exception("engine exit hook failed")
+
+    def _death(self) -> EngineDeadError:
+        """What every stream gets now that the child is gone: after a device fault, once it has exited."""
+        if self._device_fault is None:
+            return EngineDeadError(f"engine process stopped (exit code {self._process.poll()})")
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # stuck in a driver call of the faulted context: it is of no use now
+            self._process.kill()
+        logger.error("engine process %d stopped on a GPU device-side fault: %s", self._process.pid, self._device_fault)
+        return DeviceFaultError(f"engine process stopped on a GPU device-side fault: {self._device_fault}")
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, msg.Step):
