@@ -1,5 +1,6 @@
 """OpenAI tool calling, the request side: the tool definitions a request carries, their checks, the system section
-that describes them to a chat template without tool support (SmolLM2's ChatML among them), and the JSON schemas
+that describes them to a chat template without tool support (SmolLM2's ChatML among them; marked, so a template
+without a system role takes it in the first user turn: serving/detokenizer.py), and the JSON schemas
 that enforce tool_choice "required" or a named function. The model's calls are read back by router/tool_calls.py.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from conveyor.router import json_limits
+from conveyor.serving.detokenizer import TOOLS_SECTION_KEY
 
 _NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -149,7 +151,8 @@ def render_messages(
             # Qwen2.5's order: the caller's system prompt first, then the tools section
             out[0]["content"] = f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section
         else:
-            out.insert(0, {"role": "system", "content": section})
+            # marked: a chat template without a system role gets it in the first user turn (detokenizer.py)
+            out.insert(0, {"role": "system", "content": section, TOOLS_SECTION_KEY: "1"})
     return out
 
 

@@ -188,12 +188,50 @@ def tokenize(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+# Marks the system message the router renders a request's tools into (router/tool_schema.py): a template without
+# a system role takes that section at the start of the first user turn instead, as Gemma 3's template folds a
+# system prompt into it. A system message the client wrote is left to the template (Gemma 2's refuses it).
+TOOLS_SECTION_KEY = "conveyor_tools_section"
+_SYSTEM_PROBE = "conveyor-system-probe"
+_takes_system: dict[str, bool] = {}  # template text -> whether it renders a system message
+
+
+def template_takes_system_role(tokenizer: Any) -> bool:
+    """Whether the chat template renders a system message's text (Gemma 2's raises on one); probed once per
+    template text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return True
+    if template not in _takes_system:
+        probe = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "hi"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            _takes_system[template] = _SYSTEM_PROBE in text
+        except Exception:  # noqa: BLE001 - whatever the template raises, it does not take the role
+            _takes_system[template] = False
+    return _takes_system[template]
+
+
+def place_tools_section(tokenizer: Any, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """messages with the tools section as a plain system message, or, where the template takes no system role,
+    opening the first user message."""
+    if not messages or TOOLS_SECTION_KEY not in messages[0]:
+        return messages
+    section, rest = messages[0]["content"], list(messages[1:])
+    first_user = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+    if first_user is None or template_takes_system_role(tokenizer):
+        return [{"role": "system", "content": section}, *rest]
+    rest[first_user] = {**rest[first_user], "content": f"{section}\n\n{rest[first_user]['content']}"}
+    return rest
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """Chat messages as the prompt text the model was tuned on, ending where the assistant's turn begins. A
     template that refuses the messages (raise_exception on a role order, as Llama 2's and Mistral's do) raises
     ValueError: the client's input, not a server fault."""
     from jinja2.exceptions import TemplateError
 
+    messages = place_tools_section(tokenizer, messages)
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:
