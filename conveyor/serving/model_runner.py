@@ -192,7 +192,7 @@ class ModelRunner:
                        prefills: list[ScheduledChunk], timings: StepTimings) -> torch.Tensor:
         """A mixed step as two forwards: its decodes through the C++ decode loop (and the quantized rows), its
         prefill chunks through the module path, where a mixed batch would send every row down the module path
-        (RESULTS.md, "Mixed steps"). Each chunk's attention reads only its own sequence, so the order is free.
+        (RESULTS.md, "Step cost"). Each chunk's attention reads only its own sequence, so the order is free.
         Returns the sampled rows' hidden states in the step's chunk order."""
         parts, sampled = [], []
         for group in (decodes, prefills):
