@@ -10,6 +10,8 @@ equal through the engine.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -107,3 +109,56 @@ def test_engine_greedy_tokens_on_both_sides(longrope, max_model_len, prompt_len,
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     got = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
     assert got == [_hf_greedy(hf, p, num_tokens) for p in prompts]
+
+
+
+def _hub_config(tmp_path, raw: dict):
+    """config.json as a transformers-4 checkpoint holds it (scaled rope in rope_scaling), read as the engine reads
+    it: a plain config there fails to standardize the rope (no max_position_embeddings yet), so its class reads it."""
+    from conveyor.serving.models.loader import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, **raw), sort_keys=True))
+    return read_config(tmp_path)
+
+
+def test_phi4_mini_config_as_the_hub_holds_it(tmp_path):
+    """partial_rotary_factor at the top level, LongRoPE as rope_scaling {type: longrope}: our tables equal
+    transformers' Phi3RotaryEmbedding on both sides of the original context."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from conveyor.serving.models.phi3 import Phi3Model
+
+    rotary_half = 6  # 0.75 of head_dim 16 rotates 12 dims
+    config = _hub_config(tmp_path, dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], rope_theta=10000.0, partial_rotary_factor=0.75,
+        sliding_window=262144, tie_word_embeddings=True, original_max_position_embeddings=ORIGINAL,
+        rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.2 * i for i in range(rotary_half)],
+                          long_factor=[1.5 + 0.9 * i for i in range(rotary_half)])))
+    theirs = Phi3RotaryEmbedding(config)
+    x, positions = torch.zeros(1, 1, TINY["head_dim"]), torch.arange(20)
+    for served, seq_len in ((ORIGINAL, ORIGINAL), (None, 20)):
+        ours = Phi3Model(config, "torch").rotary_emb
+        ours.reset_tables(served)
+        cos, _ = theirs(x, positions[None, :seq_len])
+        assert ours.rotary_dim == 2 * rotary_half
+        torch.testing.assert_close(ours(positions[:seq_len], torch.float32)[0].squeeze(1), cos[0, :, :rotary_half])
+
+
+@pytest.mark.parametrize("model_type, rope_scaling", [
+    ("llama", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)),
+    ("qwen2", dict(type="yarn", factor=4.0, original_max_position_embeddings=32)),
+], ids=["llama3.1", "qwen-yarn"])
+def test_scaled_rope_in_rope_scaling(tmp_path, model_type, rope_scaling):
+    """Llama 3.1's and Qwen2.5's YaRN config.json load, and rotate as transformers' model of that config."""
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.serving.models.llama import LlamaModel
+
+    config = _hub_config(tmp_path, dict(model_type=model_type, rope_theta=500000.0, rope_scaling=rope_scaling,
+                                        tie_word_embeddings=False, architectures=None))
+    theirs = AutoModelForCausalLM.from_config(config).model.rotary_emb
+    positions = torch.arange(40)
+    cos, _ = theirs(torch.zeros(1, 1, TINY["head_dim"]), positions[None])
+    torch.testing.assert_close(LlamaModel(config, "torch").rotary_emb(positions, torch.float32)[0].squeeze(1),
+                               cos[0, :, :HALF])

@@ -163,7 +163,10 @@ def read_config(path: Path) -> PretrainedConfig:
         text = AutoConfig.from_pretrained(path).get_text_config()
         text.architectures = raw.get("architectures")
         return text
-    if all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw):
+    # A scaled rope in rope_scaling (configs written before transformers 5: Llama 3.1, Phi-3-128k, Qwen's YaRN)
+    # goes to the model's class: a plain config standardizes it before it has max_position_embeddings, and fails.
+    if (all(k in raw for k in _REQUIRED_KEYS) and ("rope_theta" in raw or "rope_parameters" in raw)
+            and not raw.get("rope_scaling")):
         return _plain_config(path, raw)
     from transformers import AutoConfig
 
