@@ -78,7 +78,11 @@ class Inbox:
             except (EOFError, OSError):
                 self._items.put(_CLOSED)
                 return
-            uncached = self._admission(message) if isinstance(message, Add) else None
+            try:
+                uncached = self._admission(message) if isinstance(message, Add) else None
+            except (EOFError, OSError):  # a refusal could not be sent: the parent is gone
+                self._items.put(_CLOSED)
+                return
             if uncached is _REFUSED:
                 continue
             with self._lock:

@@ -7,6 +7,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+import pytest
+
 from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.engine_messages import Abort, Add, Reject
 from conveyor.serving.request import SamplingParams
@@ -158,4 +160,24 @@ def test_inbox_without_a_forecast_refuses_nothing():
     parent.send(_add("huge", 4000))
     message = _get(inbox)
     assert isinstance(message, Add) and not message.ttft_admitted and not parent.poll(0.1)
+    parent.close()
+
+
+def test_inbox_closes_when_a_refusal_cannot_be_sent():
+    ours, theirs = socket.socketpair()
+    child, parent = Connection(ours.detach()), Connection(theirs.detach())
+    inbox = Inbox(child, lambda token_ids: 0)
+    inbox.set_forecast(_forecast(3000))
+
+    def parent_gone(message: object) -> None:
+        raise BrokenPipeError("the parent closed its end")
+
+    inbox.send = parent_gone
+    inbox.start()
+    parent.send(_add("late", 2000))
+    # The reader ends with the pipe and says so: the step thread sees EOF instead of waiting on a dead reader.
+    deadline = time.monotonic() + 5.0
+    with pytest.raises(EOFError):
+        while time.monotonic() < deadline:
+            inbox.get(0.1)
     parent.close()
