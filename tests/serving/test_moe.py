@@ -105,6 +105,29 @@ def test_bfloat16_close_to_float32(path):
     assert got.dtype == torch.float32 and (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("num_experts, top_k, num_tokens", [(8, 2, 1), (8, 2, 3), (8, 2, 37), (4, 1, 5), (4, 4, 9)])
+def test_packed_experts_match_the_reference(fused, num_experts, top_k, num_tokens):
+    """The CPU path with oneDNN packing (one packed gate_up and down per expert, in place of the stacked
+    parameters) against the naive reference, over steps leaving experts without rows (1 and 3 tokens of 8 experts)
+    and steps giving every expert some."""
+    from conveyor.serving.models.cpu_packing import packable_dtypes
+    from tests.cpu_ext_gate import require_cpu_ext
+
+    if not packable_dtypes():
+        pytest.skip("no oneDNN packing in this torch")
+    if fused:
+        require_cpu_ext("silu_and_mul")
+    block = _block(num_experts, top_k, True, seed=num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = naive(block, x)
+        block.experts.fused = fused
+        block.experts.pack_for_cpu()
+        assert len(block.experts.packed) == num_experts and not list(block.experts.parameters())
+        torch.testing.assert_close(block(x), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_rejects_bad_configs():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         MoEBlock(_Config(), num_experts=4, top_k=5, intermediate_size=8, renormalize=True)
@@ -183,7 +206,7 @@ def test_cuda_graphs_only_with_grouped_mm(tiny, monkeypatch):
 
 def test_gguf_blocks_are_skipped_with_a_reason(tmp_path, caplog):
     """A MoE converted from a GGUF runs from its fp32 weights (models/moe.py MoECausalLM.GGUF_BLOCKS says why),
-    its experts unpacked by oneDNN; the engine says so and serves."""
+    its experts packed by oneDNN one by one; the engine says so and serves."""
     from conveyor.serving import LLM, SamplingParams
     from conveyor.serving.models.cpu_packing import packable_dtypes
     from tests.cpu_ext_gate import require_cpu_ext
@@ -198,4 +221,4 @@ def test_gguf_blocks_are_skipped_with_a_reason(tmp_path, caplog):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
     if llm.engine.config.cpu_weight_packing and packable_dtypes():
-        assert "the experts stay stacked" in caplog.text
+        assert "16 expert projections in place of the stacked ones" in caplog.text

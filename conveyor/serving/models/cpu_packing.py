@@ -29,11 +29,21 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32,)
 
 
+def pack_weight(weight: Tensor) -> Tensor:
+    """A [out, in] weight re-laid out for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_SIZE_HINT)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, in] (contiguous) @ the packed weight's [out, in].T (+ bias) -> [M, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_SIZE_HINT)
+        self.packed_weight = pack_weight(weight)
         self.bias = None if bias is None else bias.detach().contiguous()
 
     @classmethod
