@@ -1,6 +1,6 @@
 """JIT build and Python wrappers of the CPU kernels in csrc/cpu/ (paged decode attention, KV-cache write;
 the fused norm and rope ops of cpu_fused.py, the GGUF-block linear of gguf.py, the grammar bitmask of
-token_bitmask.py and the sampler's sample_rows register from the same library).
+token_bitmask.py, the sampler's sample_rows and the MoE experts of models/moe.py register from the same library).
 
 Built with torch.utils.cpp_extension.load into a per-machine cache dir (-march=native is safe there), the first
 time a process asks for it; later processes reuse the build unless the sources or flags change. Needs a C++
@@ -22,7 +22,7 @@ import torch
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
            _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp",
-           _CSRC / "sampling_cpu.cpp", _CSRC / "decode_stack_cpu.cpp"]
+           _CSRC / "sampling_cpu.cpp", _CSRC / "decode_stack_cpu.cpp", _CSRC / "moe_experts_cpu.cpp"]
 # torch's SIMD levels the kernels are compiled with vectors for (at::vec::Vectorized, see _flags); below them
 # the portable loops run.
 VEC_CAPABILITIES = ("AVX512", "AVX2")

@@ -105,26 +105,31 @@ def test_bfloat16_close_to_float32(path):
     assert got.dtype == torch.float32 and (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("num_experts, top_k, num_tokens", [(8, 2, 1), (8, 2, 3), (8, 2, 37), (4, 1, 5), (4, 4, 9)])
-def test_packed_experts_match_the_reference(fused, num_experts, top_k, num_tokens):
-    """The CPU path with oneDNN packing (one packed gate_up and down per expert, in place of the stacked
-    parameters) against the naive reference, over steps leaving experts without rows (1 and 3 tokens of 8 experts)
-    and steps giving every expert some."""
+@pytest.mark.parametrize("layout", ["panels", "onednn", "onednn-fused"])
+@pytest.mark.parametrize("num_experts, top_k, num_tokens", [(8, 2, 1), (8, 2, 3), (8, 2, 37), (4, 1, 5), (4, 4, 9),
+                                                            (8, 2, 300)])
+def test_packed_experts_match_the_reference(layout, num_experts, top_k, num_tokens, monkeypatch):
+    """The CPU paths with weight packing (the C++ kernel's float32 panels, else oneDNN per expert; either in place
+    of the stacked parameters) against the naive reference, over steps leaving experts without rows (1 and 3
+    tokens of 8 experts), steps giving every expert some, and groups past the kernel's 8 rows per pass."""
     from conveyor.serving.models.cpu_packing import packable_dtypes
     from tests.cpu_ext_gate import require_cpu_ext
 
-    if not packable_dtypes():
-        pytest.skip("no oneDNN packing in this torch")
-    if fused:
-        require_cpu_ext("silu_and_mul")
+    if layout == "panels":
+        require_cpu_ext("moe_experts")
+    else:
+        monkeypatch.setattr(moe.Experts, "_kernel_fits", lambda self: False)
+        if not packable_dtypes():
+            pytest.skip("no oneDNN packing in this torch")
+        if layout == "onednn-fused":
+            require_cpu_ext("silu_and_mul")
     block = _block(num_experts, top_k, True, seed=num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = naive(block, x)
-        block.experts.fused = fused
+        block.experts.fused = layout == "onednn-fused"
         block.experts.pack_for_cpu()
-        assert len(block.experts.packed) == num_experts and not list(block.experts.parameters())
+        assert (block.experts.panels is not None) == (layout == "panels") and not list(block.experts.parameters())
         torch.testing.assert_close(block(x), expected, atol=1e-4, rtol=1e-4)
 
 

@@ -5,8 +5,7 @@ family does so); the T * top_k (token, expert) rows are sorted by expert, so eac
 group, and gate_up then down run as one grouped matmul each over all groups (torch's grouped_mm where this
 device and dtype have it, else one matmul per expert that has rows, as also on the CPU for steps with fewer rows
 than experts; never a loop over tokens). The rows go back to token order and each token sums its k weighted results.
-On the CPU with oneDNN packing (cpu_packing.py), each expert's weights are packed instead and the experts with
-rows run one after another (Experts.pack_for_cpu says why).
+On the CPU with weight packing, the experts are re-laid out instead (Experts.pack_for_cpu says how and why).
 
 Expert weights are stacked as transformers 5 holds them in memory: gate_up_proj [E, 2 * I, H] (gate rows first),
 down_proj [E, H, I]. Checkpoints store one tensor per expert and projection (`experts.{e}.gate_proj.weight`, or
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conveyor.kernels import cpu_fused
+from conveyor.kernels import cpu_ext, cpu_fused
 from conveyor.serving.models.base import CausalLM
 from conveyor.serving.models.cpu_packing import pack_weight, packed_linear
 
@@ -38,6 +37,7 @@ EXPERT_SHARDS: dict[str, tuple[str, int | None]] = {
 _EXPERT_NAME = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
 _STACKED = (".experts.gate_up_proj", ".experts.down_proj")  # transformers 5's in-memory names, and ours
 EXPERT_ACTIVATIONS = ("silu",)  # every MoE family served (Qwen3-MoE, Mixtral)
+PANEL = 16  # outputs per weight panel of conveyor_cpu.moe_experts (kPanel in csrc/cpu/moe_experts_cpu.cpp)
 
 
 def num_experts(config) -> int:
@@ -87,8 +87,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """num_experts SiLU-gated MLPs, weights stacked (or packed per expert on the CPU); forward runs the routed rows
-    grouped by expert."""
+    """num_experts SiLU-gated MLPs, weights stacked (re-laid out on the CPU: pack_for_cpu); forward runs the routed
+    rows grouped by expert."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fused: bool = False) -> None:
         super().__init__()
@@ -96,16 +96,29 @@ class Experts(nn.Module):
         self.fused = fused  # SiLU-and-mul in one C++ pass (conveyor/kernels/cpu_fused.py)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.packed: list[tuple[Tensor, Tensor]] | None = None  # (gate_up, down) per expert, once pack_for_cpu ran
+        # Set by pack_for_cpu, at most one: (gate_up, down) in the C++ kernel's panels, or oneDNN-packed per expert.
+        self.panels: tuple[Tensor, Tensor] | None = None
+        self.packed: list[tuple[Tensor, Tensor]] | None = None
+
+    def _kernel_fits(self) -> bool:
+        return (self.gate_up_proj.dtype == torch.float32 and cpu_ext.has_op("moe_experts")
+                and self.intermediate % PANEL == 0 and self.hidden_size % PANEL == 0)
 
     def pack_for_cpu(self) -> None:
-        """Each expert's gate_up and down packed for oneDNN, in place of the stacked parameters. MKL repacks a cold
-        weight at every call, and a decode step gives each expert few rows: packed, an expert's two matmuls take
-        about half the time (hidden 512, intermediate 256, 1-16 rows, Zen 4: 85-118 against 164-255 us, grouped_mm
-        as slow). Packed experts run on the CPU only, in forward's loop, which never reads the stacked tensors:
-        they are dropped, so the experts' memory stays one copy."""
-        self.packed = [(pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
-                       for e in range(self.num_experts)]
+        """Re-lay the experts out for the CPU, in place of the stacked parameters: the CPU paths never read those,
+        so they are dropped and the experts' memory stays one copy. A decode step gives each expert few rows, so
+        each expert's matmul is short and the weights come cold from memory. float32 with the CPU extension:
+        panels for conveyor_cpu.moe_experts, which streams every expert with rows in one parallel region per
+        projection (hidden 512, intermediate 256, 8 experts top-2, Zen 4: 2.5x faster than oneDNN packing at 1-16
+        tokens, 1.15-1.35x at 256-512). Otherwise each expert's gate_up and down packed for oneDNN: MKL repacks a
+        cold weight at every call, and packed an expert's two matmuls take about half the time (1-16 rows: 85-118
+        against 164-255 us; CPU grouped_mm as slow as MKL)."""
+        if self._kernel_fits():
+            self.panels = tuple(w.detach().unflatten(1, (-1, PANEL)).transpose(2, 3).contiguous()
+                                for w in (self.gate_up_proj, self.down_proj))  # [E, N, K] -> [E, N / PANEL, K, PANEL]
+        else:
+            self.packed = [(pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
+                           for e in range(self.num_experts)]
         del self.gate_up_proj, self.down_proj
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
@@ -116,8 +129,10 @@ class Experts(nn.Module):
         tokens, scales = order // top_k, weights.flatten()[order, None]
         rows = x[tokens]
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.packed is not None:
-            return self._packed_experts(x, rows, tokens, scales, counts)
+        if self.panels is not None or self.packed is not None:
+            # One host read of the group sizes per layer; each token's results add up in expert order, as
+            # transformers adds them.
+            return torch.zeros_like(x).index_add_(0, tokens, self._cpu_experts(rows, counts.tolist()) * scales)
         hidden = self._silu_and_mul(self._grouped(rows, self.gate_up_proj, counts))
         out = self._grouped(hidden, self.down_proj, counts) * scales
         unsorted = torch.empty_like(out)
@@ -130,21 +145,18 @@ class Experts(nn.Module):
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate) * up
 
-    def _packed_experts(self, x: Tensor, rows: Tensor, tokens: Tensor, scales: Tensor, counts: Tensor) -> Tensor:
-        """rows sorted by expert (tokens[r] the token of row r, scales[r] its router weight), counts[e] of them for
-        expert e -> [T, H]. A decode step's matmuls are short, so the Python around them counts: the group sizes are
-        read on the host once, experts without rows are skipped, and only the two matmuls run per expert; the
-        SiLU-and-mul, the weighting and the sum into each token (in expert order, as transformers adds) run once
-        over all rows."""
-        sizes = counts.tolist()
+    def _cpu_experts(self, rows: Tensor, sizes: list[int]) -> Tensor:
+        """rows sorted by expert, sizes[e] of them for expert e -> each row's expert output, in the same order."""
+        if self.panels is not None:
+            return torch.ops.conveyor_cpu.moe_experts(rows, *self.panels, sizes)
+        # oneDNN: only the two matmuls run per expert with rows, the SiLU-and-mul once over all rows.
         active = [(packed, size) for packed, size in zip(self.packed, sizes, strict=True) if size]
         lengths = [size for _, size in active]
         gate_up = torch.cat([packed_linear(group, packed[0])
                              for (packed, _), group in zip(active, rows.split(lengths), strict=True)])
         hidden = self._silu_and_mul(gate_up)
-        out = torch.cat([packed_linear(group, packed[1])
-                         for (packed, _), group in zip(active, hidden.split(lengths), strict=True)])
-        return torch.zeros_like(x).index_add_(0, tokens, out * scales)
+        return torch.cat([packed_linear(group, packed[1])
+                          for (packed, _), group in zip(active, hidden.split(lengths), strict=True)])
 
     def _grouped(self, rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         """rows sorted by expert, counts[e] of them for expert e -> rows @ weight[e].T for each group."""
@@ -207,8 +219,9 @@ class MoECausalLM(CausalLM):
         for experts in blocks:
             experts.pack_for_cpu()
         experts_count = sum(2 * experts.num_experts for experts in blocks)
-        logger.info("oneDNN packing: %d linears packed, and %d expert projections in place of the stacked ones",
-                    count, experts_count)
+        layout = "C++ kernel panels" if blocks and blocks[0].panels is not None else "oneDNN"
+        logger.info("oneDNN packing: %d linears packed, and %d expert projections in place of the stacked ones (%s)",
+                    count, experts_count, layout)
         return count + experts_count
 
     def cuda_graph_unsafe_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
