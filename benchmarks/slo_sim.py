@@ -2,9 +2,10 @@
 
 The real Scheduler, KV cache manager, step budget and step-cost fit run on a simulated clock; each step's time is
 read from a table of step times measured on one CPU (LLMEngine on SmolLM2: B decodes plus prefill chunks of C
-tokens, STEP_MS below), so a policy change shows its effect on TTFT, TPOT, refusals and goodput without an hour of
-served runs on a quiet machine. It leaves out what the table does not hold (attention over long contexts, host
-jitter, the ingress); the served sweep (benchmarks/goodput.py) is the measurement that counts.
+tokens; by default machine E's in benchmarks/results), so a policy change shows its effect on TTFT, TPOT, refusals
+and goodput without an hour of served runs on a quiet machine. It leaves out what the table does not hold
+(attention over long contexts, host jitter, the ingress, the way back to the client); the served sweep
+(benchmarks/goodput.py) is the measurement that counts.
 
     .venv/bin/python -m benchmarks.slo_sim                                   # the issue-38 workload, 3 policies
     .venv/bin/python -m benchmarks.slo_sim --rates 1,2 --config fixed=tpot_slo_ms=none,ttft_slo_ms=none
@@ -28,17 +29,9 @@ from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.serving.request import Request, SamplingParams
 from conveyor.serving.scheduler import QueueFullError, Scheduler
 
-# Step time in ms: rows B decodes, columns C prefill tokens (one chunk at the prompt's start). Intel Xeon
-# (AVX-512, 2 vCPU), SmolLM2-135M GGUF rows up to 64, 2026-12-03 (RESULTS.md, "Step cost"). Beyond the last knot
-# the last segment's slope continues.
-DECODE_KNOTS = (1, 16, 32, 56)
-PREFILL_KNOTS = (0, 8, 16, 48, 64, 65, 96, 128, 256)
-STEP_MS = (
-    (16, 31, 47, 94, 137, 133, 166, 201, 345),
-    (47, 71, 86, 145, 171, 174, 221, 267, 426),
-    (88, 124, 151, 203, 214, 217, 265, 311, 446),
-    (166, 205, 231, 301, 306, 290, 331, 379, 529),
-)
+# Step times measured on machine E by benchmarks/step_table.py (RESULTS.md, "Step cost"), split_mixed_steps off
+# as by default: rows B decodes, columns C prefill tokens. Beyond the last knot the last segment's slope continues.
+DEFAULT_TABLE = Path(__file__).parent / "results" / "step_table_2026-12-04_E.json"
 BASE_CONFIG = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_waiting_requests": 256}
 DEFAULT_CONFIGS = ("slo=", "queue=admission_policy=queue", "fixed=tpot_slo_ms=none,ttft_slo_ms=none")
 
@@ -51,16 +44,17 @@ def _interp(knots: tuple[int, ...], values: list[float], x: float) -> float:
 
 @dataclass(frozen=True)
 class StepTable:
-    decode_knots: tuple[int, ...] = DECODE_KNOTS
-    prefill_knots: tuple[int, ...] = PREFILL_KNOTS
-    step_ms: tuple[tuple[float, ...], ...] = STEP_MS
+    decode_knots: tuple[int, ...]
+    prefill_knots: tuple[int, ...]
+    step_ms: tuple[tuple[float, ...], ...]
 
     @classmethod
-    def load(cls, path: str) -> StepTable:
-        """A table that benchmarks/step_table.py wrote (this machine's, measured alone)."""
+    def load(cls, path: str | Path = DEFAULT_TABLE) -> StepTable:
+        """A table that benchmarks/step_table.py wrote (this machine's, measured alone); of a `--split both` run,
+        the one without split mixed steps (the default)."""
         data = json.loads(Path(path).read_text())
-        return cls(tuple(data["decode_knots"]), tuple(data["prefill_knots"]),
-                   tuple(tuple(row) for row in data["step_ms"]))
+        step_ms = data.get("step_ms_by_split", {}).get("False", data["step_ms"])
+        return cls(tuple(data["decode_knots"]), tuple(data["prefill_knots"]), tuple(tuple(row) for row in step_ms))
 
     def step_seconds(self, num_decodes: int, num_prefill: int) -> float:
         """The table's step time, interpolated in C for every row of B, then in B."""
@@ -178,9 +172,9 @@ def main() -> None:
     parser.add_argument("--ttft-s", type=float, default=2.0)
     parser.add_argument("--tpot-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--table", default=None, help="a step_table.py JSON (default: the table in this file)")
+    parser.add_argument("--table", default=None, help="a step_table.py JSON (default: machine E's, benchmarks/results)")
     args = parser.parse_args()
-    table = StepTable.load(args.table) if args.table else StepTable()
+    table = StepTable.load(args.table or DEFAULT_TABLE)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     print("| config | rate | attainment | of admitted | refused | goodput | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
