@@ -52,7 +52,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        out = packed_linear(flat, self.packed_weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
