@@ -217,16 +217,12 @@ class _FleetReporter:
             if self._registry is None:
                 from conveyor.router.metrics_registry import get_registry
 
-                self._registry = get_registry(create=True)
+                self._registry = get_registry()
             self._registry.report_fleet.remote(app, current, target, desired)
             self._last, self._sent_at = key, now
         except Exception:  # noqa: BLE001 - metrics must never break scaling
             logger.warning("conveyor autoscaler: cannot report replica counts", exc_info=True)
             self._failed = True
-
-
-# The name design.md and the brief use; Serve instantiates a class given as policy_function.
-queue_and_latency_policy = QueueAndLatencyPolicy
 
 
 class AutoscalingArgs(BaseModel):

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from conveyor.router.protocol import ErrorInfo, ErrorResponse
+from conveyor.router.protocol import ErrorInfo
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,7 +43,7 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         if not self.counted:
             _count_rejection(self.info.code or str(self.status))
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status,
+        return JSONResponse({"error": self.info.model_dump()}, status_code=self.status,
                             headers=self.headers)
 
     def already_counted(self) -> ApiError:

@@ -6,11 +6,12 @@ A record is `{"text", "num_tokens", "prompt_tokens", ["finish_reason", "cached_t
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.router import tool_calls
-from conveyor.router.protocol import Usage, chat_body, completion_body
+from conveyor.router.protocol import Usage
 
 
 @dataclass
@@ -45,13 +46,30 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class CompletionFormat:
-    """/v1/completions: `text` per choice, legacy logprobs (tokens / token_logprobs / top_logprobs)."""
+class _Format:
+    OBJECT = CHUNK_OBJECT = ""  # the body's `object`: a whole response's, a streamed chunk's
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
         self.model = model
         self.fingerprint: str | None = None  # the serving replica's id, so a client can tell replicas apart
+
+    def _body(self, choices: list[dict], usage: Usage | None, *, chunk: bool) -> dict[str, Any]:
+        body = {"id": self.request_id, "object": self.CHUNK_OBJECT if chunk else self.OBJECT,
+                "created": int(time.time()), "model": self.model, "choices": choices,
+                "system_fingerprint": self.fingerprint}
+        if usage is not None or not chunk:
+            body["usage"] = usage.model_dump() if usage else None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._body([], usage, chunk=True)
+
+
+class CompletionFormat(_Format):
+    """/v1/completions: `text` per choice, legacy logprobs (tokens / token_logprobs / top_logprobs)."""
+
+    OBJECT = CHUNK_OBJECT = "text_completion"
 
     def logprobs(self, entries: list[dict[str, Any]] | None, state: ChoiceState) -> dict[str, Any] | None:
         if entries is None:
@@ -67,12 +85,7 @@ class CompletionFormat:
         choice = {"index": state.index, "text": record["text"],
                   "logprobs": self.logprobs(record.get("logprobs"), state),
                   "finish_reason": record.get("finish_reason")}
-        return [completion_body(self.request_id, self.model, [choice], None, chunk=True,
-                                  fingerprint=self.fingerprint)]
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return completion_body(self.request_id, self.model, [], usage, chunk=True,
-                               fingerprint=self.fingerprint)
+        return [self._body([choice], None, chunk=True)]
 
     def body(self, states: list[ChoiceState]) -> dict[str, Any]:
         choices = []
@@ -80,20 +93,19 @@ class CompletionFormat:
             s.text_offset = 0
             choices.append({"index": s.index, "text": "".join(s.text),
                             "logprobs": self.logprobs(s.logprobs, s), "finish_reason": s.finish_reason})
-        return completion_body(self.request_id, self.model, choices, usage_of(states), chunk=False,
-                         fingerprint=self.fingerprint)
+        return self._body(choices, usage_of(states), chunk=False)
 
 
-class ChatFormat:
+class ChatFormat(_Format):
     """/v1/chat/completions: an assistant message per choice, chat-style logprobs. With tools (tool_mode other
     than "none") the text goes through conveyor/router/tool_calls.py: `message.tool_calls` and, streamed,
     `delta.tool_calls`; finish_reason "tool_calls" when the answer made calls."""
 
+    OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+
     def __init__(self, request_id: str, model: str, tool_mode: str = "none", tool_names: tuple[str, ...] = (),
                  named_tool: str | None = None) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.fingerprint: str | None = None  # the serving replica's id, so a client can tell replicas apart
+        super().__init__(request_id, model)
         self.tool_mode = tool_mode
         self.tool_names = tool_names
         self.named_tool = named_tool
@@ -116,15 +128,13 @@ class ChatFormat:
         if first:  # OpenAI opens each choice with a role-only delta; clients key on it
             role = {"index": state.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-            chunks.append(chat_body(self.request_id, self.model, [role], None, chunk=True,
-                                    fingerprint=self.fingerprint))
+            chunks.append(self._body([role], None, chunk=True))
         if self.tool_mode != "none":
             return chunks + self._tool_chunks(state, record)
         choice = {"index": state.index, "delta": {"content": record["text"]},
                   "logprobs": self.logprobs(record.get("logprobs")),
                   "finish_reason": record.get("finish_reason")}
-        chunks.append(chat_body(self.request_id, self.model, [choice], None, chunk=True,
-                                  fingerprint=self.fingerprint))
+        chunks.append(self._body([choice], None, chunk=True))
         return chunks
 
     def _streamer(self, index: int) -> tool_calls.ToolCallStreamer:
@@ -151,8 +161,7 @@ class ChatFormat:
             choice = {"index": state.index, "delta": delta,
                       "logprobs": self.logprobs(pending) if pending else None,
                       "finish_reason": finish_reason if last else None}
-            chunks.append(chat_body(self.request_id, self.model, [choice], None, chunk=True,
-                                    fingerprint=self.fingerprint))
+            chunks.append(self._body([choice], None, chunk=True))
         return chunks
 
     def message(self, state: ChoiceState) -> tuple[dict[str, Any], str | None]:
@@ -170,14 +179,10 @@ class ChatFormat:
             message["tool_calls"] = calls
         return message, tool_calls.finish_reason_for(len(calls), state.finish_reason or "stop")
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return chat_body(self.request_id, self.model, [], usage, chunk=True, fingerprint=self.fingerprint)
-
     def body(self, states: list[ChoiceState]) -> dict[str, Any]:
         choices = []
         for s in states:
             message, finish_reason = self.message(s)
             choices.append({"index": s.index, "message": message, "logprobs": self.logprobs(s.logprobs),
                             "finish_reason": finish_reason})
-        return chat_body(self.request_id, self.model, choices, usage_of(states), chunk=False,
-                         fingerprint=self.fingerprint)
+        return self._body(choices, usage_of(states), chunk=False)

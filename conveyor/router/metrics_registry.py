@@ -59,12 +59,10 @@ class MetricsRegistry:
         return dict(self._fleet)
 
 
-def get_registry(create: bool = True) -> Any:
+def get_registry() -> Any:
     """The registry actor handle; created (detached) on first use from any process."""
-    if create:
-        return MetricsRegistry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE, lifetime="detached",
-                                       get_if_exists=True).remote()
-    return ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
+    return MetricsRegistry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE, lifetime="detached",
+                                   get_if_exists=True).remote()
 
 
 class MetricsEndpoint:
@@ -80,7 +78,7 @@ class MetricsEndpoint:
         self.key = f"{role}/{labels.get('replica', self.address)}"
         self.labels = {"conveyor_role": role, **labels}
         self._stop = threading.Event()
-        self._registry = get_registry(create=True)
+        self._registry = get_registry()
         self._renew()  # advertise at once: the first scrape should not wait a renew period
         self._thread = threading.Thread(target=self._run, name="conveyor-metrics-lease", daemon=True)
         self._thread.start()
@@ -131,7 +129,6 @@ class FleetGauges:
         # which every 2 s was most of what this thread cost the ingress. Dropped on an error: the registry
         # may have restarted.
         self._registry: Any = None
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conveyor-fleet-gauges", daemon=True)
         self._thread.start()
 
@@ -139,7 +136,7 @@ class FleetGauges:
         from conveyor.serving.metrics import REPLICAS_CURRENT, REPLICAS_TARGET
 
         if self._registry is None:
-            self._registry = get_registry(create=True)
+            self._registry = get_registry()
         registry = self._registry
         fleet = ray.get(registry.fleet.remote(), timeout=5).get(self.app)
         engines = [t for t in ray.get(registry.targets.remote(self.app), timeout=5)
@@ -158,8 +155,4 @@ class FleetGauges:
             except Exception:  # noqa: BLE001 - keep trying; a missing gauge shows on the dashboard
                 logger.debug("fleet gauges refresh failed", exc_info=True)
                 self._registry = None
-            if self._stop.wait(self.every_s):
-                return
-
-    def close(self) -> None:
-        self._stop.set()
+            time.sleep(self.every_s)

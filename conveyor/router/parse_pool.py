@@ -53,9 +53,6 @@ class ParsePool:
             raise ApiError(413, f"the request took more than {self.timeout_s:g} s to parse and validate; send "
                                 "fewer or smaller messages, tools or schemas", code="request_too_complex") from None
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def parse_body(body: bytes, model: type[BaseModel]) -> Any:
     """A request body -> a validated `model`; every fault of the client's input is an ApiError (a 400)."""

@@ -10,11 +10,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from conveyor.router import tool_schema
 from conveyor.router.structured import ResponseFormat, StructuredOutputsRequest, canonical_json, checked
-from conveyor.router.tool_schema import AssistantToolCall, NamedToolChoice, Tool, ToolChoice
+from conveyor.router.tool_schema import AssistantToolCall, Lenient, NamedToolChoice, Tool, ToolChoice
 from conveyor.serving.request import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_REPETITION_PENALTY,
@@ -30,7 +30,6 @@ from conveyor.serving.request import (
 MAX_TOKENS_LIMIT = 1 << 17  # far beyond any context we serve; the engine checks the real context length
 MAX_N = 8
 MAX_CHOICES = 64  # prompts x n of one request: bounds the fan-out a single request can cause
-MAX_STOP = MAX_STOP_STRINGS
 # Amplification caps of the request as a whole (docs/limits.md); the sampling ones are serving/request.py's. OpenAI
 # accepts at most 128 tools; the messages cap bounds the chat template's work, which the 1 MiB body alone does not
 # (100,000 tiny messages fit in it).
@@ -50,17 +49,11 @@ def _check_text(text: str) -> str:
     return text
 
 
-class _Lenient(BaseModel):
-    # Unknown fields are ignored, as most OpenAI-compatible servers do: clients (LangChain, the openai SDK's
-    # extra_body) send parameters we do not implement, and refusing them breaks those clients outright.
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(Lenient):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -110,8 +103,8 @@ class _SamplingRequest(_Lenient):
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
@@ -175,12 +168,12 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs, index)
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
@@ -227,7 +220,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """Field-level (so the 400 names tool_choice): its tools exist, and a forced call's grammar compiles."""
         tools = info.data.get("tools")
         tool_schema.check_tools(tools, choice)
-        schema = _tool_schema(tools, choice, info.data.get("parallel_tool_calls", True))
+        schema = tool_schema.forced_call_schema(tools, choice, info.data.get("parallel_tool_calls", True))
         if schema is not None:
             if info.data.get("response_format") is not None or info.data.get("structured_outputs") is not None:
                 raise ValueError("tool_choice 'required' or a named function cannot be combined with "
@@ -240,7 +233,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _constrain_tool_calls(self) -> ChatCompletionRequest:
-        schema = _tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        schema = tool_schema.forced_call_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
         if schema is not None:  # validated by _check_tool_choice
             self._structured = StructuredOutputsParams("json", canonical_json(schema), validated=True)
         return self
@@ -271,15 +264,6 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self._max_tokens()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, index)
-
-
-def _tool_schema(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool) -> dict[str, Any] | None:
-    """The JSON schema a forced tool call is constrained to; None when the model answers freely."""
-    if not tools or choice is None or choice in ("none", "auto"):
-        return None
-    if choice == "required":
-        return tool_schema.required_schema(tools, parallel)
-    return tool_schema.named_schema(next(t for t in tools if t.function.name == choice.function.name))
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -313,28 +297,5 @@ class ErrorInfo(BaseModel):
     code: str | int | None = None
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def completion_body(rid: str, model: str, choices: list[dict], usage: Usage | None, *, chunk: bool,
-                    fingerprint: str | None = None) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "system_fingerprint": fingerprint}
-    if usage is not None or not chunk:
-        body["usage"] = usage.model_dump() if usage else None
-    return body
-
-
-def chat_body(rid: str, model: str, choices: list[dict], usage: Usage | None, *, chunk: bool,
-              fingerprint: str | None = None) -> dict:
-    body = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "system_fingerprint": fingerprint}
-    if usage is not None or not chunk:
-        body["usage"] = usage.model_dump() if usage else None
-    return body

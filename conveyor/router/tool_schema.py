@@ -20,12 +20,14 @@ _NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class _Lenient(BaseModel):
-    # Clients send fields we do not use (OpenAI adds some over time): ignore them rather than refuse the request.
+class Lenient(BaseModel):
+    # Unknown fields are ignored, as most OpenAI-compatible servers do: clients (LangChain, the openai SDK's
+    # extra_body) send parameters we do not implement, and OpenAI adds some over time; refusing them breaks those
+    # clients outright.
     model_config = ConfigDict(extra="ignore")
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(Lenient):
     name: str
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
@@ -39,16 +41,16 @@ class FunctionDefinition(_Lenient):
         return v
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class _FunctionName(_Lenient):
+class _FunctionName(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: _FunctionName
 
@@ -56,7 +58,7 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class _CalledFunction(_Lenient):
+class _CalledFunction(Lenient):
     name: str
     arguments: str
 
@@ -74,7 +76,7 @@ class _CalledFunction(_Lenient):
         return v
 
 
-class AssistantToolCall(_Lenient):
+class AssistantToolCall(Lenient):
     id: str
     type: Literal["function"] = "function"
     function: _CalledFunction
@@ -189,6 +191,15 @@ def _arguments_schema(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
         params.pop(key, None)
     defs[name] = _rewrite_refs(params, name)
     return {"$ref": f"#/$defs/{name}"}
+
+
+def forced_call_schema(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool) -> dict[str, Any] | None:
+    """The JSON schema a forced tool call is constrained to; None when the model answers freely."""
+    if not tools or choice is None or choice in ("none", "auto"):
+        return None
+    if choice == "required":
+        return required_schema(tools, parallel)
+    return named_schema(next(t for t in tools if t.function.name == choice.function.name))
 
 
 def required_schema(tools: list[Tool], parallel_tool_calls: bool = True) -> dict[str, Any]:
