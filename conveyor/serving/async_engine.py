@@ -2,7 +2,6 @@
 EngineClient contract (engine_client.py) as ProcessEngine, which the replica uses by default."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -10,27 +9,22 @@ from collections.abc import AsyncIterator, Callable
 
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
-from conveyor.serving.engine_client import DeviceFaultError, EngineLoad, RequestStream, device_fault, post_all
-from conveyor.serving.outputs import EngineStepStats, RequestOutput
+from conveyor.serving.engine_client import DeviceFaultError, EngineLoad, StreamingClient, device_fault
+from conveyor.serving.outputs import RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
-_Stream = RequestStream  # the old private name, for tests that build streams directly
-__all__ = ["AsyncEngine", "EngineLoad", "RequestStream", "_Stream", "post_all"]
 
-
-class AsyncEngine:
+class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         """engine: a built engine, or a factory that the engine thread calls to build it (see from_config)."""
+        super().__init__()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
         self._stopped = threading.Event()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
-        self._device_fault: str | None = None
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         factory = None if isinstance(engine, LLMEngine) else engine
         self._thread = threading.Thread(target=self._run, args=(factory,), name="conveyor-engine", daemon=True)
@@ -69,12 +63,6 @@ class AsyncEngine:
     def max_tokens_ever(self) -> int:
         return self.engine.kv_cache.max_tokens_ever()
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.engine.tokenize(prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.engine.apply_chat_template(messages)
-
     def block_state(self) -> dict[str, int]:
         """Block accounting (read without locks: may be mid-step), for tests and soak checks."""
         kv = self.engine.kv_cache
@@ -84,10 +72,6 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         sched = self.engine.scheduler
         return EngineLoad(sched.num_waiting, sched.num_running, self.engine.kv_cache.usage)
-
-    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None:
-        """fn runs on the engine thread after every step: keep it cheap (metrics, not I/O)."""
-        self._step_listeners.append(fn)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        coalesce: bool = False) -> AsyncIterator[RequestOutput]:
@@ -99,8 +83,7 @@ class AsyncEngine:
         """
         request = self.engine.make_request(prompt, params, request_id)
         self._check_queue_room()
-        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request.request_id] = stream
+        stream = self._open_stream(request.request_id)
         self._commands.put(("add", request))
         finished = False
         try:
@@ -112,17 +95,9 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request.request_id))
 
-    def has_work(self) -> bool:
-        """Requests in flight (streams not yet finished)."""
-        return bool(self._streams)
-
     def is_alive(self) -> bool:
         """False once the engine thread has stopped (shutdown, crash, a device fault): a health check reads this."""
         return self._thread.is_alive()
-
-    @property
-    def device_fault(self) -> str | None:
-        return self._device_fault
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -153,7 +128,7 @@ class AsyncEngine:
                 self._drain_commands(block)
                 if self.engine.has_unfinished():
                     outputs, stats = self.engine.step()
-                    self._deliver(outputs)
+                    self._deliver(outputs, self.engine.config.stream_interval)
                     for listener in self._step_listeners:
                         listener(stats, outputs)
             except Exception as exc:  # keep serving: fail the live streams rather than dying silently
@@ -189,15 +164,6 @@ class AsyncEngine:
                 self._post(arg.request_id, RuntimeError(f"engine failed on this request: {exc}"))
         elif kind == "abort":
             self.engine.abort_requests([arg])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        interval = self.engine.config.stream_interval
-        post_all([(stream, item) for out in outputs if (stream := self._streams.get(out.request_id)) is not None
-                  and (item := stream.through_interval(out, interval)) is not None])
-
-    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        if (stream := self._streams.get(request_id)) is not None:
-            stream.post(item)
 
     def _fail_all(self, exc: Exception) -> None:
         live = list(self._streams)

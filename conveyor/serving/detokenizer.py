@@ -45,7 +45,6 @@ class IncrementalDetokenizer:
         # Stop strings are looked for only in text of tokens past the first min_tokens (as vLLM does).
         self._min_tokens = min_tokens
         self._include_stop = include_stop_str_in_output
-        self._num_prompt = len(prompt_token_ids)
         # Only the prompt tail is needed as decode context; keep the rest of the prompt out of our list.
         context = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
         self._ids: list[int] = context
@@ -186,6 +185,18 @@ def tokenize(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
     return list(prompt)
+
+
+class PromptSide:
+    """tokenize and apply_chat_template (below) with the object's `tokenizer`: LLMEngine, AsyncEngine, ProcessEngine."""
+
+    tokenizer: Any
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return tokenize(self.tokenizer, prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return apply_chat_template(self.tokenizer, messages)
 
 
 # Marks the system message the router renders a request's tools into (router/tool_schema.py): a template without

@@ -15,16 +15,14 @@ from conveyor.kernels import gguf, ops
 from conveyor.serving import grammar
 from conveyor.serving.attention import uniform_sliding_window
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.detokenizer import apply_chat_template, tokenize
+from conveyor.serving.detokenizer import PromptSide
 from conveyor.serving.kv_cache_manager import KVCacheManager, cdiv
-from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks
+from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, num_kv_blocks, resolve_kv_cache_dtype
 from conveyor.serving.model_runner import ModelRunner, profile_step
-from conveyor.serving.models.checkpoint import auto_dtype
 from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.decode_stack import DecodeStack
 from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
-from conveyor.serving.models.hub import log
-from conveyor.serving.models.loader import generation_eos_ids, load_model, resolve_model_path
+from conveyor.serving.models.loader import generation_eos_ids, load_model, resolve_device_dtype
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
 from conveyor.serving.outputs import EngineStepStats, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from conveyor.serving.request import Request, RequestStatus, SamplingParams
@@ -38,58 +36,16 @@ logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.005  # an engine with only compiling requests sleeps this long per step, not spin
 
 
-def resolve_device_dtype(device: str, dtype: str, model: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """ModelConfig's device and dtype -> torch's; dtype auto reads the checkpoint of `model` (models/checkpoint.py:
-    its dtype where the device computes it natively, float32 otherwise) and logs the choice."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)
-    if dtype == "auto":
-        if model is None:
-            return dev, torch.float32
-        chosen, reason = auto_dtype(resolve_model_path(model), dev)
-        log(f"dtype auto: {_dtype_name(chosen)} ({reason})")
-        return dev, chosen
-    try:
-        return dev, getattr(torch, dtype)
-    except AttributeError:
-        raise ValueError(f"unknown dtype {dtype!r}") from None
-
-
-# Attention backends whose kernels need the KV cache in the query's dtype (the others convert on write and read).
-SAME_DTYPE_KV_BACKENDS = ("cuda", "flash")
-FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
-    """CacheConfig.kv_cache_dtype -> the cache's torch dtype ("auto": the model's); ValueError where the resolved
-    attention backend cannot hold the cache in a dtype other than the model's."""
-    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        if attention_backend not in ops.FP8_CACHE_BACKENDS:
-            readers = " or ".join(ops.FP8_CACHE_BACKENDS)
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the {readers} attention backend, not "
-                             f"{attention_backend!r} (set attention_backend, or another kv_cache_dtype)")
-        return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
-    kv_dtype = model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-    if kv_dtype != model_dtype and attention_backend in SAME_DTYPE_KV_BACKENDS:
-        raise ValueError(f"kv_cache_dtype {_dtype_name(kv_dtype)} with a {_dtype_name(model_dtype)} model needs "
-                         f"the cpu, torch or triton attention backend, not {attention_backend!r} "
-                         "(set attention_backend, or kv_cache_dtype auto)")
-    return kv_dtype
-
-
-class LLMEngine:
+class LLMEngine(PromptSide):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        # Async scheduling: the pipeline's thread makes every torch call, the build's included (step_pipeline.py).
         self._pipeline = StepPipeline() if config.scheduler.async_scheduling else None
-        if self._pipeline is not None:
-            self._pipeline.call(self._build)
-        else:
-            self._build()
+        self._on_step_thread(self._build)
+
+    def _on_step_thread(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the thread that makes every torch call of this engine, its build included: the pipeline's under
+        async scheduling (step_pipeline.py), else the caller's."""
+        return fn() if self._pipeline is None else self._pipeline.call(fn)
 
     def _build(self) -> None:
         config = self.config
@@ -170,12 +126,6 @@ class LLMEngine:
         return stack
 
     # ---- requests ----------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return tokenize(self.tokenizer, prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return apply_chat_template(self.tokenizer, messages)
-
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None, *, validate_grammar: bool = True) -> Request:
         """Tokenize and validate; raises ValueError for input the engine can never serve. validate_grammar=False,
@@ -242,10 +192,7 @@ class LLMEngine:
         if self.has_unfinished():
             return
         sched = self.scheduler.schedule()  # nothing to schedule: only the ended requests' ids
-        if self._pipeline is not None:
-            self._pipeline.call(functools.partial(self.runner.execute, sched))
-        else:
-            self.runner.execute(sched)
+        self._on_step_thread(functools.partial(self.runner.execute, sched))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pipeline is not None and self._pipeline.in_flight)

@@ -8,8 +8,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from conveyor.serving.detokenizer import PromptSide
 from conveyor.serving.outputs import EngineStepStats, RequestOutput, merge_outputs
 from conveyor.serving.request import SamplingParams
+
+StepListener = Callable[[EngineStepStats, list[RequestOutput]], None]
 
 
 @dataclass
@@ -122,6 +125,43 @@ class DeviceFaultError(EngineDeadError):
     (a new process gets a new CUDA context). Raised into every live stream, as when the engine process dies."""
 
 
+class StreamingClient(PromptSide):
+    """What AsyncEngine and ProcessEngine share: the prompt side, a RequestStream per request in flight, the step
+    listeners, and the device fault that stopped the engine."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+        self._step_listeners: list[StepListener] = []
+        self._device_fault: str | None = None
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """fn runs after every step, on the thread that takes the engine's outputs: keep it cheap (metrics, not
+        I/O)."""
+        self._step_listeners.append(fn)
+
+    def has_work(self) -> bool:
+        """Requests in flight (streams not yet finished), as this process sees them: an engine process's own
+        reports stop when it is wedged."""
+        return bool(self._streams)
+
+    @property
+    def device_fault(self) -> str | None:
+        return self._device_fault
+
+    def _open_stream(self, request_id: str) -> RequestStream:
+        stream = self._streams[request_id] = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
+        return stream
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if (stream := self._streams.get(request_id)) is not None:
+            stream.post(item)
+
+    def _deliver(self, outputs: list[RequestOutput], interval: int) -> None:
+        """One step's outputs to their streams, through stream_interval; none to a stream that is gone (its consumer
+        left: the abort is on its way)."""
+        post_all([(stream, item) for out in outputs if (stream := self._streams.get(out.request_id)) is not None
+                  and (item := stream.through_interval(out, interval)) is not None])
+
 
 class EngineClient(Protocol):
     """What the replica (router/replica.py) may call on its engine."""
@@ -142,7 +182,7 @@ class EngineClient(Protocol):
 
     def block_state(self) -> dict[str, int]: ...
 
-    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None: ...
+    def add_step_listener(self, fn: StepListener) -> None: ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  coalesce: bool = False) -> AsyncIterator[RequestOutput]:

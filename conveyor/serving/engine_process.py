@@ -22,6 +22,7 @@ says so, and the owner has its replica replaced instead (engine_client.device_fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,11 +39,10 @@ from typing import Any
 from conveyor.serving import engine_messages as msg
 from conveyor.serving import grammar
 from conveyor.serving.config import EngineConfig
-from conveyor.serving.detokenizer import apply_chat_template, tokenize
-from conveyor.serving.engine_client import DeviceFaultError, EngineDeadError, EngineLoad, RequestStream, post_all
-from conveyor.serving.openmp_runtime import child_openmp_env
+from conveyor.serving.engine_client import DeviceFaultError, EngineDeadError, EngineLoad, StreamingClient
+from conveyor.serving.openmp_runtime import engine_child_env
 from conveyor.serving.output_processor import OutputProcessor
-from conveyor.serving.outputs import EngineStepStats, RequestOutput
+from conveyor.serving.outputs import RequestOutput
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import REFUSAL_REASONS, QueueFullError
 
@@ -50,26 +50,6 @@ logger = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 600.0  # model conversion on first use can take minutes on a slow disk
 QUERY_TIMEOUT_S = 30.0
-
-
-# How long an idle OpenMP thread of the engine spins before it sleeps. Behind a server the engine shares the cores
-# with the replica, the ingress, Ray and the client: a thread that spins at a barrier while its partner was preempted
-# burns the core the preempting process needs, and its partner waits for a core meanwhile. A short spin gives the core
-# back (and lets the partner move onto it). On GNU's runtime: 10 000 iterations instead of libgomp's 300 000. On
-# Intel's, which the child prefers (openmp_runtime.py): KMP_BLOCKTIME 1 ms instead of 200; sleeping at once (0) is
-# worse, since every barrier then waits on a futex wake. Both raise output tok/s at saturation on 2 cores, and 1 ms
-# also cuts the engine's CPU for the same work (figures: benchmarks/RESULTS.md, "Defaults and the measurements
-# behind them"). A value already set wins.
-ENGINE_OMP_SPIN_COUNT = "10000"
-ENGINE_KMP_BLOCKTIME_MS = "1"
-
-
-def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
-    env = dict(parent)
-    env.setdefault("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
-    env.setdefault("KMP_BLOCKTIME", ENGINE_KMP_BLOCKTIME_MS)
-    env.update(child_openmp_env(parent))
-    return env
 
 
 def _load_tokenizer_in_background(model: str) -> Future:
@@ -90,8 +70,9 @@ def _load_tokenizer_in_background(model: str) -> Future:
     return result
 
 
-class ProcessEngine:
+class ProcessEngine(StreamingClient):
     def __init__(self, config: EngineConfig, torch_num_threads: int | None = None) -> None:
+        super().__init__()  # _device_fault: set by the reader when the child reports a GPU device-side fault
         # A fresh interpreter on one end of a socket pair: fork would copy the parent's threads' locks mid-use,
         # and multiprocessing's spawn re-imports the parent's __main__ (a user script, Ray's worker).
         ours, theirs = socket.socketpair()
@@ -102,8 +83,6 @@ class ProcessEngine:
         self._conn = Connection(ours.detach())
         self._conn.send(msg.Start(config, torch_num_threads))
         self._send_lock = threading.Lock()
-        self._streams: dict[str, RequestStream] = {}
-        self._step_listeners: list[Callable[[EngineStepStats, list[RequestOutput]], None]] = []
         self._replies: dict[int, Future] = {}
         self._query_ids = itertools.count()
         # Adds sent and adds the child has applied (its running total): the difference counts as waiting.
@@ -113,7 +92,6 @@ class ProcessEngine:
         self._load = msg.CoreLoad(0, 0, 0.0, 1, 0.0, 0)
         self._stopped: Exception | None = None  # set by the reader when the child is gone: no stream may wait then
         self._shutting_down = False
-        self._device_fault: str | None = None  # set by the reader when the child reports a GPU device-side fault
         # Called on the reader thread once the child has died (not at shutdown), after every stream has failed:
         # the replica restarts its engine from here.
         self.on_exit: Callable[[], None] | None = None
@@ -159,12 +137,6 @@ class ProcessEngine:
     def max_tokens_ever(self) -> int:
         return self.info["max_tokens_ever"]
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return tokenize(self.tokenizer, prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return apply_chat_template(self.tokenizer, messages)
-
     def load(self) -> EngineLoad:
         load = self._load
         return EngineLoad(load.num_waiting, load.num_running, load.kv_cache_usage)
@@ -179,16 +151,8 @@ class ProcessEngine:
             "client.streams": len(self._streams), "client.replies": len(self._replies),
             **{f"client.{name}": size for name, size in self._processor.sizes().items()}}
 
-    def add_step_listener(self, fn: Callable[[EngineStepStats, list[RequestOutput]], None]) -> None:
-        """fn runs on this process's reader thread after every step of the child: keep it cheap."""
-        self._step_listeners.append(fn)
-
     def is_alive(self) -> bool:
         return self._stopped is None and self._process.poll() is None and self._reader.is_alive()
-
-    @property
-    def device_fault(self) -> str | None:
-        return self._device_fault
 
     # ---- requests ------------------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -203,8 +167,7 @@ class ProcessEngine:
         # not at all for a constraint the HTTP ingress has validated already.
         if params.structured is not None and not params.structured.validated:
             await asyncio.to_thread(grammar.validate, params.structured)
-        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        stream = self._open_stream(request_id)
         if self._stopped is not None:  # after the reader failed every stream: nobody would ever post to this one
             self._streams.pop(request_id, None)
             raise self._stopped
@@ -222,34 +185,23 @@ class ProcessEngine:
             if not finished:
                 self.abort(request_id)
 
-    def has_work(self) -> bool:
-        """Requests in flight, as this process sees them: the child's own reports stop when it is wedged."""
-        return bool(self._streams)
-
     def stall_for_test(self, seconds: float) -> None:
         """Test hook (drills): the engine process stops stepping for `seconds`, as a wedged engine would."""
         self._send(msg.Stall(float(seconds)))
 
     def abort(self, request_id: str) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # no engine, nothing to abort
             self._send(msg.Abort(request_id))
-        except RuntimeError:
-            pass  # no engine, nothing to abort
 
     def shutdown(self) -> None:
         self._shutting_down = True
         # shutdown(), not just close(): our reader thread sits in recv() on this socket, and a close() does not
         # end that call, so the socket stayed open, the child never read EOF and the wait below ran out (10 s
         # for every replica that stopped).
-        try:
-            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)  # the child reads EOF and exits; our reader's recv() returns
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)  # the child reads EOF and exits; our reader's recv() returns
+        with contextlib.suppress(OSError):
             self._conn.close()
-        except OSError:
-            pass
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -332,7 +284,7 @@ class ProcessEngine:
             # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
             for listener in self._step_listeners:
                 listener(message.stats, outputs)
-            post_all([delivery for output in outputs if (delivery := self._delivery(output)) is not None])
+            self._deliver(outputs, self.config.stream_interval)
         elif isinstance(message, msg.LoadReport):
             self._set_load(message.load)
         elif isinstance(message, msg.Reject):
@@ -358,17 +310,6 @@ class ProcessEngine:
     def _set_load(self, load: msg.CoreLoad) -> None:
         self._num_adds_applied = load.num_adds_applied
         self._load = load
-
-    def _delivery(self, output: RequestOutput) -> tuple[RequestStream, RequestOutput] | None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return None  # the consumer left; the abort is on its way
-        item = stream.through_interval(output, self.config.stream_interval)
-        return None if item is None else (stream, item)
-
-    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        if (stream := self._streams.get(request_id)) is not None:
-            stream.post(item)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):

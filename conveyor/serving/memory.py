@@ -1,4 +1,4 @@
-"""How many KV blocks fit the configured memory budget."""
+"""The KV cache's dtype, and how many of its blocks fit the configured memory budget."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from conveyor.kernels import ops
 from conveyor.serving.config import CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -99,3 +100,29 @@ def keep_freed_memory_in_process(threshold_bytes: int = 256 << 20) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, 4 * threshold_bytes))
+
+
+# Attention backends whose kernels need the KV cache in the query's dtype (the others convert on write and read).
+SAME_DTYPE_KV_BACKENDS = ("cuda", "flash")
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype -> the cache's torch dtype ("auto": the model's); ValueError where the resolved
+    attention backend cannot hold the cache in a dtype other than the model's."""
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        if attention_backend not in ops.FP8_CACHE_BACKENDS:
+            readers = " or ".join(ops.FP8_CACHE_BACKENDS)
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the {readers} attention backend, not "
+                             f"{attention_backend!r} (set attention_backend, or another kv_cache_dtype)")
+        return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    kv_dtype = model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    if kv_dtype != model_dtype and attention_backend in SAME_DTYPE_KV_BACKENDS:
+        raise ValueError(f"kv_cache_dtype {_dtype_name(kv_dtype)} with a {_dtype_name(model_dtype)} model needs "
+                         f"the cpu, torch or triton attention backend, not {attention_backend!r} "
+                         "(set attention_backend, or kv_cache_dtype auto)")
+    return kv_dtype

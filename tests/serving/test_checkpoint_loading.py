@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from conveyor.serving import LLM, SamplingParams
-from conveyor.serving.engine import resolve_device_dtype
 from conveyor.serving.models import checkpoint
 from conveyor.serving.models.checkpoint import choose_dtype, safetensors_files, stored_dtype
 from conveyor.serving.models.hub import COMPLETE_MARKER
+from conveyor.serving.models.loader import resolve_device_dtype
 from tests.tiny_model import cast_copy
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -205,7 +205,7 @@ def test_kv_cache_dtype_config_is_validated():
 
 
 def test_kv_cache_dtype_resolution_and_backends():
-    from conveyor.serving.engine import resolve_kv_cache_dtype
+    from conveyor.serving.memory import resolve_kv_cache_dtype
 
     f32, bf16 = torch.float32, torch.bfloat16
     assert resolve_kv_cache_dtype("auto", f32, "cpu") is f32

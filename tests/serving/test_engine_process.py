@@ -218,9 +218,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_engine_process_spins_briefly_at_barriers(engine):
-    """Its OpenMP threads sleep after a short spin (engine_process.ENGINE_OMP_SPIN_COUNT on GNU's runtime,
+    """Its OpenMP threads sleep after a short spin (openmp_runtime.ENGINE_OMP_SPIN_COUNT on GNU's runtime,
     ENGINE_KMP_BLOCKTIME_MS on Intel's), unless the environment says otherwise."""
-    from conveyor.serving.engine_process import ENGINE_KMP_BLOCKTIME_MS, ENGINE_OMP_SPIN_COUNT, engine_child_env
+    from conveyor.serving.openmp_runtime import ENGINE_KMP_BLOCKTIME_MS, ENGINE_OMP_SPIN_COUNT, engine_child_env
 
     environ = open(f"/proc/{engine._process.pid}/environ", "rb").read().split(b"\0")
     expected_spins = os.environ.get("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.serving import openmp_runtime
-from conveyor.serving.engine_process import engine_child_env
-from conveyor.serving.openmp_runtime import OPENMP_ENV, child_openmp_env
+from conveyor.serving.openmp_runtime import OPENMP_ENV, child_openmp_env, engine_child_env
 
 FAKE_IOMP = Path("/opt/env/lib/libiomp5.so")
 

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from conveyor.serving.async_engine import AsyncEngine, _Stream, post_all
+from conveyor.serving.async_engine import AsyncEngine
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from conveyor.serving.engine_client import RequestStream, post_all
 from conveyor.serving.outputs import RequestOutput, SampledToken, merge_outputs
 from conveyor.serving.request import SamplingParams
 
@@ -25,7 +26,7 @@ def test_merge_joins_deltas_and_keeps_the_last_end() -> None:
     assert merged.first_token_time == 1.0
 
 
-def _consume(stream: _Stream, coalesce: bool) -> tuple[list[RequestOutput], BaseException | None]:
+def _consume(stream: RequestStream, coalesce: bool) -> tuple[list[RequestOutput], BaseException | None]:
     async def run() -> tuple[list[RequestOutput], BaseException | None]:
         got = []
         try:
@@ -42,7 +43,7 @@ def _consume(stream: _Stream, coalesce: bool) -> tuple[list[RequestOutput], Base
 def test_stream_merges_only_what_is_waiting(coalesce: bool) -> None:
     loop = asyncio.new_event_loop()
     try:
-        stream = _Stream(loop, asyncio.Queue())
+        stream = RequestStream(loop, asyncio.Queue())
         for i in range(3):
             stream.queue.put_nowait(_out(i))
         stream.queue.put_nowait(_out(3, finished=True))
@@ -59,7 +60,7 @@ def test_stream_merges_only_what_is_waiting(coalesce: bool) -> None:
 def test_an_error_after_waiting_outputs_comes_after_them() -> None:
     loop = asyncio.new_event_loop()
     try:
-        stream = _Stream(loop, asyncio.Queue())
+        stream = RequestStream(loop, asyncio.Queue())
         stream.queue.put_nowait(_out(0))
         stream.queue.put_nowait(_out(1))
         stream.queue.put_nowait(RuntimeError("engine died"))
@@ -73,7 +74,7 @@ def test_an_error_after_waiting_outputs_comes_after_them() -> None:
 def test_post_all_keeps_order_across_threads() -> None:
     loop = asyncio.new_event_loop()
     try:
-        streams = [_Stream(loop, asyncio.Queue()) for _ in range(2)]
+        streams = [RequestStream(loop, asyncio.Queue()) for _ in range(2)]
         batches = [[(s, _out(i, finished=i == 4)) for s in streams] for i in range(5)]
         sender = threading.Thread(target=lambda: [post_all(b) for b in batches])
         sender.start()
@@ -114,7 +115,7 @@ def test_a_slow_consumer_gets_fewer_records_and_the_same_tokens(tiny_model_dir) 
 def test_stream_interval_posts_the_first_token_then_every_interval_tokens_and_the_end(interval: int) -> None:
     """vLLM's stream_interval (EngineConfig.stream_interval): the first output and the finished one leave at once,
     the others once `interval` tokens have gathered, merged; what leaves joins to exactly what came."""
-    stream = _Stream(asyncio.new_event_loop(), asyncio.Queue())
+    stream = RequestStream(asyncio.new_event_loop(), asyncio.Queue())
     outputs = [_out(i, logprob=i % 2 == 0) for i in range(1, 11)] + [_out(11, finished=True)]
     posted = [item for out in outputs if (item := stream.through_interval(out, interval)) is not None]
     stream.loop.close()

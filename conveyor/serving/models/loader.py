@@ -10,23 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.serving.models.base import CausalLM
-from conveyor.serving.models.checkpoint import iter_safetensors
-from conveyor.serving.models.hub import (
-    SMOLLM2_ALIASES,
-    cache_dir,
-    convert_gguf,
-    gguf_cache_dir,
-    log,
-    pull_model,
-)
-from conveyor.serving.models.registry import architecture_of, model_class, supported_architectures
+from conveyor.serving.models.checkpoint import auto_dtype, iter_safetensors
+from conveyor.serving.models.hub import SMOLLM2_ALIASES, convert_gguf, gguf_cache_dir, log, pull_model
+from conveyor.serving.models.registry import architecture_of, model_class
 from conveyor.serving.models.rotary import RotaryEmbedding, longrope_uses_long_factors, original_max_positions
 from conveyor.serving.request import SAMPLING_DEFAULT_KEYS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-__all__ = ["cache_dir", "iter_safetensors", "load_model", "pull_model", "resolve_model_path", "supported_architectures"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -49,6 +41,23 @@ def resolve_model_path(model: str) -> Path:
                          f"tokenizer files ({', '.join(_TOKENIZER_FILES)})")
     raise ValueError(f"unknown model {model!r}: expected one of {SMOLLM2_ALIASES}, a local HF safetensors "
                      "dir, or a local .gguf file (hub ids are not supported: there is no hub access)")
+
+
+def resolve_device_dtype(device: str, dtype: str, model: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """ModelConfig's device and dtype -> torch's; dtype auto reads the checkpoint of `model` (models/checkpoint.py:
+    its dtype where the device computes it natively, float32 otherwise) and logs the choice."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    if dtype == "auto":
+        if model is None:
+            return dev, torch.float32
+        chosen, reason = auto_dtype(resolve_model_path(model), dev)
+        log(f"dtype auto: {str(chosen).removeprefix('torch.')} ({reason})")
+        return dev, chosen
+    try:
+        return dev, getattr(torch, dtype)
+    except AttributeError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
 def generation_defaults(model_dir: Path) -> dict[str, float]:
