@@ -115,16 +115,10 @@ class SchedulerConfig:
             raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait_s must be > 0")
-        if self.min_prefill_tokens < 1:
-            raise ValueError("min_prefill_tokens must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_waiting_requests < 1:
-            raise ValueError("max_waiting_requests must be >= 1")
-        if self.max_waiting_tokens < 1:
-            raise ValueError("max_waiting_tokens must be >= 1")
+        for name in ("min_prefill_tokens", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
+                     "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.async_scheduling and self.scheduling == "static":

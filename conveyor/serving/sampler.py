@@ -236,24 +236,22 @@ def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Top-k then top-p (on the top-k renormalized distribution) with one descending sort for all rows.
 
     Rows that disable a filter carry k = vocab / p = 1.0 and come out unchanged.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the smallest prefix reaching top_p; the first token always survives (mass_before = 0).
-        # Rows with top_p = 1 are excluded explicitly: cumsum rounding could otherwise clip their tail.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        # A top_p that underflows to 0 in float32 would drop every token; the most likely one always stays.
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix reaching top_p; the first token always survives (mass_before = 0).
+    # Rows with top_p = 1 are excluded explicitly: cumsum rounding could otherwise clip their tail.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    # A top_p that underflows to 0 in float32 would drop every token; the most likely one always stays.
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
