@@ -30,15 +30,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
-from conveyor.bench.runner import (  # noqa: E402
-    add_workload_args,
-    compare,
-    parse_goodput,
-    rates_arg,
-    ratio_table,
-    score,
-    write_compare,
-)
+from conveyor.bench.report import ratio_table, score  # noqa: E402
+from conveyor.bench.runner import add_workload_args, compare, parse_goodput, rates_arg, write_compare  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 

@@ -43,13 +43,11 @@ from pathlib import Path
 from conveyor.bench.machine import cpu_model
 from conveyor.bench.metrics import SLO_KEYS, parse_goodput
 from conveyor.bench.plots import plot_curves, plot_goodput
+from conveyor.bench.report import attainment_capacity, goodput_row, goodput_table
 from conveyor.bench.runner import (
     add_workload_args,
     args_record,
-    attainment_capacity,
     check_args,
-    goodput_row,
-    goodput_table,
     plan_point,
     plot_title,
     positive_float,

@@ -26,7 +26,7 @@ from conveyor.bench.client import run_load, validate_base_url
 from conveyor.bench.machine import cpu_model
 from conveyor.bench.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
 from conveyor.bench.plots import MISSING_MATPLOTLIB
-from conveyor.bench.runner import attainment_capacity, capacity, ratio_table
+from conveyor.bench.report import attainment_capacity, capacity, goodput_table, ratio_table
 from conveyor.bench.workload import (
     LOGNORMAL_OUTPUT,
     LOGNORMAL_PROMPT,
@@ -280,7 +280,7 @@ def test_attainment_capacity_and_goodput_table() -> None:
     rows = [row(2, 20), row(3, 18, refused=2), row(4, 17), row(5, 19)]
     assert attainment_capacity(rows) == 3  # 18/20 = 90% passes; 4 fails, so 5's pass does not count
     assert attainment_capacity(rows, attainment=0.95) == 2
-    table = runner.goodput_table({"a": rows, "b": [row(2, 10), row(3, 20)]})
+    table = goodput_table({"a": rows, "b": [row(2, 10), row(3, 20)]})
     assert "| 3 | a | 90% | 100% | 1.80 | 2 |" in table
     assert "a 3 req/s, b 0 req/s" in table
 

@@ -52,9 +52,7 @@ def plot_curves(per_target: dict[str, list[dict]], path: Path, slo_ms: float | N
         _log_if_positive(ax)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: Path, title: str = "",
@@ -72,9 +70,7 @@ def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: 
     ax.set_title(title)
     ax.legend(markerscale=3, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_goodput(per_target: dict[str, list[dict]], path: Path, title: str, slo: dict[str, float],
@@ -103,6 +99,10 @@ def plot_goodput(per_target: dict[str, list[dict]], path: Path, title: str, slo:
         ax.legend(fontsize=8)
     slo_text = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
     fig.suptitle(f"{title}\nSLO: {slo_text}", fontsize=10)
+    _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,8 +1,10 @@
 """Seeded arrivals and request lengths: everything a run draws from its seed, nothing from the wall clock."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # Token ids drawn for random prompts: above the special tokens, below any vocab we serve (SmolLM2: 49152).
@@ -23,14 +25,16 @@ def arrival_offsets(num: int, rate: float, burstiness: float = 1.0, seed: int = 
     """
     if math.isinf(rate):
         return [0.0] * num
+    arrivals = _arrivals(rate, burstiness, seed)
+    return [next(arrivals) for _ in range(num)]
+
+
+def _arrivals(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """The send times of an endless gamma arrival process (see arrival_offsets)."""
     if rate <= 0 or burstiness <= 0:
         raise ValueError("rate and burstiness must be > 0")
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(num):
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        out.append(t)
-    return out
+    return itertools.accumulate(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in itertools.count())
 
 
 def sharegpt_like_lengths(num: int, seed: int = 0, min_prompt: int = 16, max_prompt: int = 512,
@@ -137,12 +141,4 @@ def timed_offsets(duration_s: float, rate: float, burstiness: float = 1.0, seed:
     the rate brings in that time, not a fixed count."""
     if duration_s <= 0 or math.isinf(rate):
         return []
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    while True:
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        if t >= duration_s:
-            return out
-        out.append(t)
+    return list(itertools.takewhile(lambda t: t < duration_s, _arrivals(rate, burstiness, seed)))
