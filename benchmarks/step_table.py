@@ -3,7 +3,7 @@
 For every B, B short requests are started and decoded until they all run; then a long prompt arrives and the token
 budget is set to B + C, so each following step carries exactly the B decodes and C tokens of that prompt. The median
 of --repeat such steps is the cell. `--split both` measures each cell with mixed steps split in two forwards
-(EngineConfig.split_mixed_steps, the default) and without, interleaved. The JSON it writes is a table
+(EngineConfig.split_mixed_steps; off by default) and without, interleaved. The JSON it writes is a table
 benchmarks/slo_sim.py reads with --table. Run alone on a quiet machine (2 cores: anything beside it is measured too).
 
     .venv/bin/python -m benchmarks.step_table                                 # ~3 min on 2 cores

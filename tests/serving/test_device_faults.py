@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -182,6 +183,10 @@ def test_a_device_fault_ends_the_engine_process_and_every_stream(tiny_model_dir)
         with pytest.raises(DeviceFaultError, match="illegal memory access") as raised:
             asyncio.run(asyncio.wait_for(collect(), 30))
         assert isinstance(raised.value, EngineDeadError)  # so a request with no output yet is handed back
+        # The reader thread fails the streams first, then runs the exit hook: wait for it.
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert exits == [engine.device_fault] and "illegal memory access" in engine.device_fault
         assert not engine.is_alive()
         assert engine._process.wait(10) == EXIT_DEVICE_FAULT  # noqa: SLF001
