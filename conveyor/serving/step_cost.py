@@ -92,13 +92,6 @@ class StepCostModel:
             raise RuntimeError("no fit yet")
         return tuple(self._coef)
 
-    def predict_sum(self, num_steps: int, num_tokens: int, num_seqs: int, kv_reads: int = 0) -> float:
-        """The predicted time of num_steps steps that together carry these totals (the model is linear)."""
-        if self._coef is None:
-            raise RuntimeError("no fit yet")
-        a, b, c, d = self._coef
-        return a * num_steps + b * num_tokens + c * num_seqs + d * kv_reads * KV_SCALE
-
     def predict_tail(self, num_tokens: int, num_seqs: int, kv_reads: int = 0) -> float:
         """The planning figure: the fitted mean scaled by the tracked upper quantile of the misfit."""
         return self.predict(num_tokens, num_seqs, kv_reads) * self.margin
