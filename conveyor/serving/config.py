@@ -92,6 +92,10 @@ class SchedulerConfig:
     tpot_credit_max: float = setting(
         3.0, "a step may exceed the TPOT target by the time the slowest-paced stream is ahead of its pace, up to "
         "this many targets (TPOT is a mean; 0: no credit)")
+    tpot_credit_quantile: float | None = setting(
+        0.1, "a stream's credit also counts the tokens it is expected to go on for, this lower quantile of recent "
+        "finished requests' output lengths (among those longer than it), each worth the target less the mean step "
+        "time (None: pace only)")
     # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
     # a 70 ms SLO (p99 71, max 323 ms); 8 kept it (p99 59, max 69) for ~30% more long-prompt TTFT (RESULTS.md).
     min_prefill_tokens: int = setting(
@@ -111,6 +115,8 @@ class SchedulerConfig:
                              f"got {self.admission_policy!r}")
         if not 0.0 <= self.tpot_credit_max < float("inf"):
             raise ValueError(f"tpot_credit_max must be a finite number >= 0, got {self.tpot_credit_max}")
+        if self.tpot_credit_quantile is not None and not 0.0 <= self.tpot_credit_quantile < 1.0:
+            raise ValueError(f"tpot_credit_quantile must be in [0, 1) or None, got {self.tpot_credit_quantile}")
         if not 0.0 < self.slo_headroom <= 1.0:
             raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:

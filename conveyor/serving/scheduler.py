@@ -177,7 +177,7 @@ class Scheduler:
 
     def token_budget(self) -> int:
         """This step's token budget (step_budget.py: fixed, or sized to the ITL target)."""
-        return self.budget.tokens(self.running, self.waiting, self.clock())
+        return self.budget.tokens(self.running, self.waiting, self.clock(), self._mean_step_s)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         if sched.chunks:
@@ -384,9 +384,14 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.budget.output_lengths is not None and status in _ENDED_BY_ITS_OUTPUT:
+            self.budget.output_lengths.add(len(request.output_token_ids))
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
+
+
+_ENDED_BY_ITS_OUTPUT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
 def _commit_ahead(chunk: ScheduledChunk) -> None:

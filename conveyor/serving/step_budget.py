@@ -13,6 +13,8 @@ no stream, so under the TPOT target alone it takes up to max_num_batched_tokens.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
 from collections.abc import Sequence
 
 from conveyor.serving.config import SchedulerConfig
@@ -24,10 +26,37 @@ from conveyor.serving.ttft_forecast import TtftForecast, causal_kv_reads
 COLD_START_BUDGET = 64
 
 
+class OutputLengths:
+    """The output lengths of recently finished requests: how long a stream that already has n tokens is likely,
+    at the least, to go on. Learned from what the requests did, never from max_tokens (a cap, not a forecast)."""
+
+    def __init__(self, quantile: float, window: int = 256, min_samples: int = 32) -> None:
+        self.quantile, self.window, self.min_samples = quantile, window, min_samples
+        self._recent: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def add(self, num_tokens: int) -> None:
+        if len(self._recent) == self.window:
+            del self._sorted[bisect_left(self._sorted, self._recent.popleft())]
+        self._recent.append(num_tokens)
+        insort(self._sorted, num_tokens)
+
+    def lower_bound(self, num_tokens: int) -> int:
+        """The quantile of the final length among recent requests longer than num_tokens; num_tokens itself
+        while fewer than min_samples were."""
+        first_longer = bisect_right(self._sorted, num_tokens)
+        num_longer = len(self._sorted) - first_longer
+        if num_longer < self.min_samples:
+            return num_tokens
+        return self._sorted[first_longer + int(self.quantile * num_longer)]
+
+
 class StepBudget:
     def __init__(self, config: SchedulerConfig, step_cost: StepCostModel) -> None:
         self.config = config
         self.step_cost = step_cost
+        quantile = config.tpot_credit_quantile
+        self.output_lengths = OutputLengths(quantile) if quantile is not None else None
 
     @property
     def reads_step_cost(self) -> bool:
@@ -39,10 +68,11 @@ class StepBudget:
     def sheds_by_ttft(self) -> bool:
         return self.config.ttft_slo_ms is not None and self.config.admission_policy == "slo"
 
-    def tokens(self, running: Sequence[Request], waiting: Sequence[Request], now: float | None = None) -> int:
+    def tokens(self, running: Sequence[Request], waiting: Sequence[Request], now: float | None = None,
+               pace_s: float = 0.0) -> int:
         """This step's token budget. Running decodes always fit (starving a stream would hurt its latency more),
         and pending prefill always gets min_prefill_tokens, so a long prompt progresses even when decodes fill
-        the target."""
+        the target. pace_s: the recent mean step time, what the steps after this one are expected to take."""
         limit = self.config.max_num_batched_tokens
         if self.config.itl_slo_ms is None and self.config.tpot_slo_ms is None:
             return limit
@@ -55,22 +85,29 @@ class StepBudget:
             prefills = [waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
         fits = self._fits(len(decodes), len(running) + (1 if waiting else 0), sum(r.num_tokens for r in decodes),
-                          prefills[0].num_computed_tokens if prefills else 0, self._tpot_credit_s(decodes, now))
+                          prefills[0].num_computed_tokens if prefills else 0, self._tpot_credit_s(decodes, now, pace_s))
         return min(limit, max(fits, floor, 1))
 
-    def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None) -> float:
+    def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float = 0.0) -> float:
         """How far this step may exceed the TPOT target: TPOT is a mean over a request's tokens, so a stream
-        ahead of its pace (t_first + target x tokens so far) can take a longer step and stay within it. The
-        stream with the least credit sets it; a stream behind its pace gives none (never negative)."""
+        ahead of its pace (t_first + target x tokens so far) can take a longer step and stay within it, and so
+        can one that will go on long enough to make the time up in steps shorter than the target (the tokens
+        it is still expected to produce, a lower quantile learned from finished requests, x (target - pace_s)).
+        The stream with the least credit sets it; a stream behind its pace gives none (never negative)."""
         if now is None or not self.config.tpot_credit_max or self.config.tpot_slo_ms is None or not decodes:
             return 0.0
         target_s = self.config.tpot_slo_ms / 1000 * self.config.slo_headroom
+        spare_s = max(target_s - pace_s, 0.0)
         credit = math.inf
         for r in decodes:
             if r.first_token_time is None:
                 return 0.0
+            num_output = len(r.output_token_ids)
             # The next token is output number n + 1: TPOT after it is (t_next - t_first) / n.
-            credit = min(credit, r.first_token_time + target_s * len(r.output_token_ids) - now - target_s)
+            ahead_s = r.first_token_time + target_s * num_output - now - target_s
+            if self.output_lengths is not None:
+                ahead_s += max(self.output_lengths.lower_bound(num_output) - num_output - 1, 0) * spare_s
+            credit = min(credit, ahead_s)
         return min(max(credit, 0.0), target_s * self.config.tpot_credit_max)
 
     def _fits(self, num_decodes: int, num_seqs: int, decode_kv_reads: int, prefill_context: int,

@@ -147,3 +147,49 @@ def test_a_short_backlog_is_charged_its_own_tokens_not_whole_steps():
     scheduler.add_request(make_request("next", 50, 8, first_token=200))
     with pytest.raises(QueueFullError):
         scheduler.add_request(make_request("over", 100, 8, first_token=300))  # 300 tokens: 2 steps, 174 ms
+
+
+def _on_pace(scheduler, now: float) -> None:
+    """Every stream exactly on its TPOT pace (100 ms a token): no credit from the time already spent."""
+    for r in scheduler.running:
+        r.first_token_time = now - 0.1 * (len(r.output_token_ids) - 1)
+
+
+def test_a_stream_expected_to_go_on_lends_the_step_its_future_slack():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=1.0)
+    for _ in range(64):
+        scheduler.budget.output_lengths.add(200)
+    _on_pace(scheduler, now=100.0)
+    # ~170 more tokens, each ~88 ms under the target at the ~12 ms pace: far more than the cap, 100 ms + 1 x 100
+    # ms: 10 + 0.5 (4 + n) <= 200 ms, n = 376.
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 376) <= 2
+
+
+def test_no_future_slack_from_requests_no_longer_than_the_stream():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=3.0)
+    n = len(scheduler.running[0].output_token_ids)
+    for length in (5, n, n + 1):  # shorter, as long as it, or ending on the very next token: nothing to amortize
+        for _ in range(64):
+            scheduler.budget.output_lengths.add(length)
+    _on_pace(scheduler, now=100.0)
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+
+
+def test_future_slack_needs_enough_finished_requests_and_can_be_switched_off():
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=1.0)
+    for _ in range(31):
+        scheduler.budget.output_lengths.add(200)
+    _on_pace(scheduler, now=100.0)
+    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+    assert _scheduler_with_known_cost(tpot_credit_quantile=None)[0].budget.output_lengths is None
+
+
+def test_output_lengths_take_a_lower_quantile_of_the_longer_requests_in_a_window():
+    from conveyor.serving.step_budget import OutputLengths
+
+    lengths = OutputLengths(quantile=0.1, window=100, min_samples=10)
+    for n in range(1, 201):  # the window keeps 101..200
+        lengths.add(n)
+    assert lengths.lower_bound(0) == 111  # 10 of the 100 lie below it
+    assert lengths.lower_bound(150) == 156  # among 151..200
+    assert lengths.lower_bound(195) == 195  # only 5 longer: too few to say
