@@ -93,18 +93,6 @@ def family_name(metric: Counter | Gauge | Histogram) -> str:
     return metric._name + ("_total" if isinstance(metric, Counter) else "")  # noqa: SLF001
 
 
-def exposed_series_names() -> set[str]:
-    """Every series name a PromQL expression may use (histograms add _bucket/_sum/_count)."""
-    names: set[str] = set()
-    for metric in METRICS:
-        name = family_name(metric)
-        if isinstance(metric, Histogram):
-            names.update({name + "_bucket", name + "_sum", name + "_count"})
-        else:
-            names.add(name)
-    return names
-
-
 INGRESS_METRICS = (REQUESTS_CUT, REQUESTS_HANDED_BACK)  # counted where the request's stream is, not by an engine
 ENGINE_FAMILIES = tuple(family_name(m) for m in METRICS if m not in FLEET_METRICS + INGRESS_METRICS)
 INGRESS_FAMILIES = tuple(family_name(m) for m in INGRESS_METRICS)
@@ -215,7 +203,3 @@ class EngineMetrics:
         stale = [rid for rid, t in self._last_token.items() if now - t > _STALE_AFTER_S]
         for rid in stale:
             del self._last_token[rid]
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._last_token)

@@ -19,11 +19,16 @@ from conveyor.serving.settings import (
     SECTIONS,
     SURFACE_DEFAULTS,
     engine_config_from_flat,
-    flat_from_engine_config,
     surface_defaults,
 )
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def flat_from_engine_config(config: EngineConfig) -> dict:
+    """The flat keys of `config` (the inverse of engine_config_from_flat)."""
+    return {key: getattr(getattr(config, spec.section) if spec.section else config, spec.field)
+            for key, spec in ENGINE_KEYS.items()}
 
 
 def _subparser(name: str):  # noqa: ANN202 - argparse.ArgumentParser
