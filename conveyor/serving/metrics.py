@@ -151,16 +151,12 @@ class EngineMetrics:
         self._waiting.set(stats.num_waiting)
         self._kv.set(stats.kv_cache_usage)
         self._batch.set(stats.batch_size)
-        if stats.num_prefill_tokens:
-            self._prefill.inc(stats.num_prefill_tokens)
-        if stats.num_decode_tokens:
-            self._decode.inc(stats.num_decode_tokens)
-        if stats.num_preemptions:
-            self._preempt.inc(stats.num_preemptions)
-        if stats.num_prefix_cache_queries:
-            self._pc_queries.inc(stats.num_prefix_cache_queries)
-        if stats.num_prefix_cache_hits:
-            self._pc_hits.inc(stats.num_prefix_cache_hits)
+        for counter, count in ((self._prefill, stats.num_prefill_tokens), (self._decode, stats.num_decode_tokens),
+                               (self._preempt, stats.num_preemptions),
+                               (self._pc_queries, stats.num_prefix_cache_queries),
+                               (self._pc_hits, stats.num_prefix_cache_hits)):
+            if count:
+                counter.inc(count)
         generated = 0
         for out in outputs:
             generated += len(out.delta_token_ids)
