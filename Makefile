@@ -1,5 +1,5 @@
 # The two commands a new user runs: `make serve` and `make test`. Both set up .venv first (idempotent).
-.PHONY: setup serve generate test test-fast lint bench
+.PHONY: setup serve generate test test-fast lint docs bench
 
 setup:
 	scripts/setup.sh
@@ -20,6 +20,10 @@ test-fast: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# docs/configuration.md from the settings' one source (tests/router/test_config_sources.py checks it is current).
+docs: setup
+	.venv/bin/python scripts/config_docs.py > docs/configuration.md
 
 bench: setup
 	.venv/bin/python -m benchmarks.offline

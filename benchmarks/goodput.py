@@ -151,7 +151,7 @@ def run_inproc_target(args: argparse.Namespace) -> TargetRun:
     the same points, so the gap to the served rows is what the serving path costs under the SLO."""
     import asyncio
 
-    from conveyor.bench.inproc import run_inproc
+    from benchmarks.inproc import run_inproc
     from conveyor.bench.metrics import summarize
     from conveyor.bench.runner import measured_window
     from conveyor.serving.async_engine import AsyncEngine

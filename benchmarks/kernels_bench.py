@@ -145,6 +145,7 @@ def kv_dtype(args: argparse.Namespace) -> None:
 def gguf_linear(args: argparse.Namespace) -> None:
     from conveyor.kernels import gguf
     from conveyor.serving.models.cpu_packing import PackedLinear
+    from tests.tiny_model import quantize
 
     if not gguf.is_available():
         sys.exit("the CPU extension did not build")
@@ -154,7 +155,7 @@ def gguf_linear(args: argparse.Namespace) -> None:
     for _ in range(args.layers):
         for out_features, in_features in shapes:
             dense = torch.randn(out_features, in_features)
-            weights.append((gguf.prepare(gguf.quantize(dense, ggml_type), ggml_type, in_features),
+            weights.append((gguf.prepare(quantize(dense, ggml_type), ggml_type, in_features),
                             PackedLinear(dense, None)))
     flop_per_row = sum(2 * w.out_features * w.in_features for w, _ in weights)
     print(f"{args.type}, {len(weights)} linears, {torch.get_num_threads()} threads; ms per pass over all of them")

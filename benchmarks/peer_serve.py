@@ -226,7 +226,7 @@ def run_inproc_stream(args: argparse.Namespace, prompts_file: str, rate: str) ->
     streamed, at the same rate (Poisson arrivals of its own seed): what TTFT and ITL the engine alone gives."""
     import asyncio
 
-    from conveyor.bench.inproc import make_engine, run_inproc
+    from benchmarks.inproc import make_engine, run_inproc
     from conveyor.bench.metrics import distribution
     from conveyor.bench.workload import BenchRequest, arrival_offsets
 

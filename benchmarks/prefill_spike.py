@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from conveyor.bench.inproc import make_engine, stream_one
+from benchmarks.inproc import make_engine, stream_one
 from conveyor.bench.metrics import RequestResult, distribution
 from conveyor.bench.plots import plot_itl_timeline
 from conveyor.bench.workload import build_requests

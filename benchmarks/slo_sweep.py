@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from conveyor.bench.inproc import make_engine, run_inproc, stream_one
+from benchmarks.inproc import make_engine, run_inproc, stream_one
 from conveyor.bench.metrics import summarize
 from conveyor.bench.plots import plot_curves
 from conveyor.bench.workload import (

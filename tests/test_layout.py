@@ -13,6 +13,7 @@ ALLOWED_ROOT_PACKAGES = {
     "conveyor": "the product",
     "tests": "pytest's rootdir package (tests.tiny_model, ...)",
     "benchmarks": "run as python -m benchmarks.X",
+    "scripts": "developer tools run as files (setup.sh, config_docs.py); nothing imports it as a package",
 }
 
 

@@ -126,9 +126,34 @@ def quantize_copy(model_dir: Path, out: Path) -> Path:
     for name, tensor in weights.items():
         if tensor.dim() == 2 and name.endswith("proj.weight") or name == "lm_head.weight":
             ggml_type = gguf.Q8_0 if name == "lm_head.weight" else gguf.Q4_1
-            blocks[name] = gguf.quantize(tensor, ggml_type)
+            blocks[name] = quantize(tensor, ggml_type)
             types[name] = gguf.TYPE_NAMES[ggml_type]
             weights[name] = gguf.dequantize(blocks[name], ggml_type, tensor.shape[1])
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_blocks(out, blocks, types)
     return out
+
+
+def quantize(weight, ggml_type: int):  # noqa: ANN001, ANN201 - torch.Tensor in and out
+    """float [N, K] -> uint8 blocks [N, K / 32 * block bytes], ggml's round-to-nearest scheme (a model gets its
+    blocks from a GGUF file: conveyor/kernels/gguf.py has no quantizer)."""
+    import torch
+
+    from conveyor.kernels import gguf
+
+    num_rows, in_features = weight.shape
+    gguf.row_bytes(ggml_type, in_features)  # validates type and K
+    w = weight.float().reshape(num_rows, in_features // gguf.BLOCK, gguf.BLOCK)
+    if ggml_type == gguf.Q8_0:
+        scale = (w.abs().amax(-1, keepdim=True) / 127).half()
+        inv = torch.where(scale.float() > 0, 1 / scale.float(), torch.zeros(()))
+        q = (w * inv).round().clamp(-127, 127).to(torch.int8)
+        parts = [scale.view(torch.uint8), q.view(torch.uint8)]
+    else:
+        low = w.amin(-1, keepdim=True)
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).half()
+        inv = torch.where(scale.float() > 0, 1 / scale.float(), torch.zeros(()))
+        q = ((w - low.half().float()) * inv).round().clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)
+        parts = [scale.view(torch.uint8), low.half().view(torch.uint8), packed]
+    return torch.cat(parts, dim=-1).reshape(num_rows, -1).contiguous()

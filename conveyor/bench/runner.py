@@ -14,13 +14,7 @@ from pathlib import Path
 from conveyor.bench.client import run_load, validate_base_url, warmup
 from conveyor.bench.machine import cpu_model
 from conveyor.bench.metrics import RequestResult, parse_goodput, parse_goodput_spec, summarize
-from conveyor.bench.plots import (
-    MISSING_MATPLOTLIB,
-    plot_curves,
-    plot_goodput,
-    plot_itl_timeline,
-    plots_available,
-)
+from conveyor.bench.plots import MISSING_MATPLOTLIB, plot_curves, plot_goodput, plot_itl_timeline, plots_available
 from conveyor.bench.report import goodput_table, print_summary, ratio_table, score
 from conveyor.bench.workload import (
     DATASETS,

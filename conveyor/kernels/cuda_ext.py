@@ -1,8 +1,7 @@
 """JIT build and Python wrappers of the CUDA kernels in csrc/ (decode attention, KV-cache write).
 
 Built with torch.utils.cpp_extension.load into a cached build dir, only where torch has CUDA and a CUDA
-toolchain
-exists. CPU torch forces CUDA_HOME to None, so there the build is refused with a clear RuntimeError.
+toolchain exists. CPU torch forces CUDA_HOME to None, so there the build is refused with a clear RuntimeError.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Optional backend: FlashAttention's varlen kernel reading the paged cache through `block_table`.
 
 Uses vllm_flash_attn (vLLM's fork) when importable, else flash_attn (>= 2.5, which added `block_table`). Never
-a
-required dependency. API differences, checked against the public sources:
+a required dependency. API differences, checked against the public sources:
 - vllm_flash_attn.flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
-  seqused_k=None, ..., block_table=None, ...): with a block table it takes per-sequence key lengths
-  `seqused_k`;
+  seqused_k=None, ..., block_table=None, ...): with a block table it takes per-sequence key lengths `seqused_k`;
   paged block size must be a multiple of 16.
 - flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...,
   block_table=None): key lengths as cumulative `cu_seqlens_k`; upstream requires the paged block size to be a
@@ -13,8 +11,7 @@ required dependency. API differences, checked against the public sources:
 Both take window_size=(left, right) (key j visible to query i when i - left <= j <= i + right: a sliding window
 W is (W - 1, 0), and the kernel skips blocks before it) and, from flash_attn 2.6, softcap (0: none).
 Both align the causal mask bottom-right (query j of a q_len chunk sees keys up to seq_len - q_len + j), which
-is
-the reference's convention. Keyword arguments throughout, since the positional orders differ.
+is the reference's convention. Keyword arguments throughout, since the positional orders differ.
 """
 from __future__ import annotations
 

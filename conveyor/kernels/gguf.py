@@ -118,24 +118,3 @@ def gguf_linear(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
     else:
         out = torch.ops.conveyor_cpu.gguf_linear(flat, weight.q, weight.scales, weight.ggml_type, weight.out_features)
     return out.view(*x.shape[:-1], weight.out_features)
-
-
-def quantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """float [N, K] -> uint8 blocks [N, K / 32 * block bytes], ggml's round-to-nearest scheme (for tests and
-    benchmarks; models get their blocks from a GGUF file)."""
-    num_rows, in_features = weight.shape
-    row_bytes(ggml_type, in_features)  # validates type and K
-    w = weight.float().reshape(num_rows, in_features // BLOCK, BLOCK)
-    if ggml_type == Q8_0:
-        scale = (w.abs().amax(-1, keepdim=True) / 127).half()
-        inv = torch.where(scale.float() > 0, 1 / scale.float(), torch.zeros(()))
-        q = (w * inv).round().clamp(-127, 127).to(torch.int8)
-        parts = [scale.view(torch.uint8), q.view(torch.uint8)]
-    else:
-        low = w.amin(-1, keepdim=True)
-        scale = ((w.amax(-1, keepdim=True) - low) / 15).half()
-        inv = torch.where(scale.float() > 0, 1 / scale.float(), torch.zeros(()))
-        q = ((w - low.half().float()) * inv).round().clamp(0, 15).to(torch.uint8)
-        packed = q[..., :16] | (q[..., 16:] << 4)
-        parts = [scale.view(torch.uint8), low.half().view(torch.uint8), packed]
-    return torch.cat(parts, dim=-1).reshape(num_rows, -1).contiguous()

@@ -33,8 +33,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 # Gathered K (and V) bytes per chunk of decode sequences. Measured on the 2-core CPU VM (32 decodes of context
-# 300, H=9, KVH=3, D=64): temporaries of several MB are returned to the OS and page-faulted back on every
-# call,
+# 300, H=9, KVH=3, D=64): temporaries of several MB are returned to the OS and page-faulted back on every call,
 # which made one whole-batch gather slower than the old per-sequence loop; ~1 MB chunks run 2x faster than it.
 _CHUNK_BYTES = 1 << 20
 

@@ -187,8 +187,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     # Rows per program = tokens * group_pad; at least 16 so tl.dot has legal shapes on a GPU. A decode-only
-    # step
-    # uses one token per program (no wasted rows beyond the 16-row minimum).
+    # step uses one token per program (no wasted rows beyond the 16-row minimum).
     if block_m is None:
         rows = 16 if max_query_len == 1 else 64
         block_m = max(1, max(rows, group_pad) // group_pad)

@@ -22,13 +22,7 @@ from conveyor.router.errors import ApiError, install_handlers
 from conveyor.router.formatting import ChatFormat, ChoiceState, CompletionFormat
 from conveyor.router.handle_records import make_request
 from conveyor.router.parse_pool import DEFAULT_PARSE_TIMEOUT_S, ParsePool, parse_body
-from conveyor.router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    new_id,
-)
+from conveyor.router.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id
 from conveyor.router.sse_stream import ReplicaStreamingResponse, sse_body
 from conveyor.router.streams import StartedStream, read_whole, start_stream
 

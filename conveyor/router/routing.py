@@ -11,14 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ray.serve.request_router import (
-    FIFOMixin,
-    PendingRequest,
-    ReplicaID,
-    ReplicaResult,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 # Reached through its module: Serve pickles this module by value, and drain's registry holds a lock.
 from conveyor.router import drain

@@ -2,7 +2,7 @@
 
 These dataclasses are the one source of every engine setting: its type, default and help text (the field's
 metadata). `conveyor serve`'s ServeArgs, the `conveyor` flags and `LLM(...)`'s keywords are derived from them
-(conveyor/serving/settings.py), and docs/configuration.md is generated from them (conveyor/config_docs.py).
+(conveyor/serving/settings.py), and docs/configuration.md is generated from them (scripts/config_docs.py).
 """
 from __future__ import annotations
 

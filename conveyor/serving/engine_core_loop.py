@@ -13,24 +13,10 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conveyor.serving import engine_messages as msg
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine_client import DeviceFaultError, device_fault
 from conveyor.serving.engine_inbox import Inbox
-from conveyor.serving.engine_messages import (
-    Abort,
-    Add,
-    BuildError,
-    CoreLoad,
-    DeviceFault,
-    LoadReport,
-    Query,
-    Ready,
-    Reject,
-    Reply,
-    Stall,
-    Start,
-    Step,
-)
 from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
 from conveyor.serving.ttft_forecast import cached_prefix_tokens
@@ -51,7 +37,7 @@ def main() -> None:
         start = conn.recv()
     except EOFError:
         return
-    if isinstance(start, Start):
+    if isinstance(start, msg.Start):
         run_engine_core(conn, start.config, start.torch_num_threads)
 
 
@@ -60,15 +46,15 @@ def run_engine_core(conn: Connection, config: EngineConfig, torch_num_threads: i
     try:
         engine = _build(config, torch_num_threads)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it in the replica
-        conn.send(BuildError(traceback.format_exc()))
+        conn.send(msg.BuildError(traceback.format_exc()))
         return
     # Structured outputs need the tokenizer's byte-level view (~1 s of CPU for a 49k vocabulary): build it now, in
     # the compile pool, while the engine is idle, not when the first constrained request arrives at a busy engine
     # (a constrained half of a saturated batch then joined ~4 s late: 0.88x throughput, benchmarks/structured.py).
     engine.grammar_compiler()
     core = _Core(engine, conn)
-    conn.send(Ready(core.info()))
-    conn.send(LoadReport(core.load()))
+    conn.send(msg.Ready(core.info()))
+    conn.send(msg.LoadReport(core.load()))
     core.inbox.start()
     try:
         core.run()
@@ -110,7 +96,7 @@ class _Core:
         kv = engine.kv_cache
         self.inbox = Inbox(conn, lambda token_ids: cached_prefix_tokens(kv.pool, kv.block_size, token_ids))
         self.num_adds_applied = 0
-        self.handlers = {Add: self._add, Abort: self._abort, Query: self._query, Stall: self._stall}
+        self.handlers = {msg.Add: self._add, msg.Abort: self._abort, msg.Query: self._query, msg.Stall: self._stall}
 
     def info(self) -> dict[str, Any]:
         from conveyor.serving.openmp_runtime import loaded_openmp_runtime
@@ -118,11 +104,11 @@ class _Core:
         return {"openmp_runtime": loaded_openmp_runtime(),
                 "max_model_len": self.engine.max_model_len, "max_tokens_ever": self.engine.kv_cache.max_tokens_ever()}
 
-    def load(self) -> CoreLoad:
+    def load(self) -> msg.CoreLoad:
         scheduler = self.engine.scheduler
-        return CoreLoad(scheduler.num_waiting, scheduler.num_running, self.engine.kv_cache.usage,
-                        scheduler.max_queued_requests(), scheduler.expected_queue_wait_s(),
-                        self.num_adds_applied + self.inbox.num_refused_early)
+        return msg.CoreLoad(scheduler.num_waiting, scheduler.num_running, self.engine.kv_cache.usage,
+                            scheduler.max_queued_requests(), scheduler.expected_queue_wait_s(),
+                            self.num_adds_applied + self.inbox.num_refused_early)
 
     def run(self) -> None:
         worked = False  # stepped or applied a message since the engine last went idle
@@ -140,7 +126,7 @@ class _Core:
                 self._step()
                 worked = True
             elif applied:  # nothing to step (aborts, refusals): the parent's view must still move on
-                self.inbox.send(LoadReport(self.load()))
+                self.inbox.send(msg.LoadReport(self.load()))
                 worked = True
 
     def _release_finished(self) -> None:
@@ -157,7 +143,7 @@ class _Core:
             return
         logger.critical("GPU device-side fault in the engine step: this engine process stops and its replica "
                         "must be replaced", exc_info=exc)
-        self.inbox.send(DeviceFault(fault))
+        self.inbox.send(msg.DeviceFault(fault))
         raise DeviceFaultError(fault) from exc
 
     def _step(self) -> None:
@@ -169,11 +155,11 @@ class _Core:
             live = list(self.engine.scheduler.requests)
             self.engine.abort_requests(live)
             for request_id in live:
-                self.inbox.send(Reject(request_id, "engine_error", f"engine step failed: {exc}"))
-            self.inbox.send(LoadReport(self.load()))
+                self.inbox.send(msg.Reject(request_id, "engine_error", f"engine step failed: {exc}"))
+            self.inbox.send(msg.LoadReport(self.load()))
             return
         self.inbox.set_forecast(self.engine.scheduler.ttft_forecast())
-        self.inbox.send(Step(outputs, stats, self.load()))
+        self.inbox.send(msg.Step(outputs, stats, self.load()))
 
     def _drain(self) -> int:
         applied = 0
@@ -198,17 +184,17 @@ class _Core:
             request_id = getattr(message, "request_id", None)
             if request_id is not None:
                 self._fail_request(request_id, exc)
-            elif isinstance(message, Query):
-                self.inbox.send(Reply(message.query_id, None))
+            elif isinstance(message, msg.Query):
+                self.inbox.send(msg.Reply(message.query_id, None))
 
     def _fail_request(self, request_id: str, exc: Exception) -> None:
         try:
             self.engine.abort_requests([request_id])
         except Exception:  # noqa: BLE001 - the request may be half-added; what it holds is logged, not fatal
             logger.exception("aborting %s after a failure failed", request_id)
-        self.inbox.send(Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
+        self.inbox.send(msg.Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
 
-    def _add(self, message: Add) -> None:
+    def _add(self, message: msg.Add) -> None:
         self.num_adds_applied += 1
         try:
             # The parent validated any structured-output constraint; a grammar that still fails to compile ends
@@ -217,17 +203,17 @@ class _Core:
                                                validate_grammar=False)
             self.engine.add_request(request, process_outputs=False, check_ttft=not message.ttft_admitted)
         except QueueFullError as exc:
-            self.inbox.send(Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
+            self.inbox.send(msg.Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:
-            self.inbox.send(Reject(message.request_id, "invalid_request", str(exc)))
+            self.inbox.send(msg.Reject(message.request_id, "invalid_request", str(exc)))
 
-    def _abort(self, message: Abort) -> None:
+    def _abort(self, message: msg.Abort) -> None:
         self.engine.abort_requests([message.request_id])
 
-    def _query(self, message: Query) -> None:
-        self.inbox.send(Reply(message.query_id, self._answer(message.name)))
+    def _query(self, message: msg.Query) -> None:
+        self.inbox.send(msg.Reply(message.query_id, self._answer(message.name)))
 
-    def _stall(self, message: Stall) -> None:
+    def _stall(self, message: msg.Stall) -> None:
         logger.warning("engine loop stalled for %.1f s on request (test hook)", message.seconds)
         time.sleep(message.seconds)
 
@@ -242,15 +228,15 @@ class _Core:
             gc.collect()
             return sys.getallocatedblocks()
         if name == "fail_next_add":  # a test hook: the next Add raises inside the engine, as a bug there would
-            self.handlers[Add] = self._add_that_raises
+            self.handlers[msg.Add] = self._add_that_raises
             return True
         if name == "device_fault_next_step":  # a test hook: the next step raises as a faulting CUDA kernel does
             self.engine.core_step = _raise_device_fault
             return True
         return None
 
-    def _add_that_raises(self, message: Add) -> None:
-        self.handlers[Add] = self._add
+    def _add_that_raises(self, message: msg.Add) -> None:
+        self.handlers[msg.Add] = self._add
         raise RuntimeError("injected failure (test hook)")
 
 

@@ -93,18 +93,6 @@ def family_name(metric: Counter | Gauge | Histogram) -> str:
     return metric._name + ("_total" if isinstance(metric, Counter) else "")  # noqa: SLF001
 
 
-def exposed_series_names() -> set[str]:
-    """Every series name a PromQL expression may use (histograms add _bucket/_sum/_count)."""
-    names: set[str] = set()
-    for metric in METRICS:
-        name = family_name(metric)
-        if isinstance(metric, Histogram):
-            names.update({name + "_bucket", name + "_sum", name + "_count"})
-        else:
-            names.add(name)
-    return names
-
-
 INGRESS_METRICS = (REQUESTS_CUT, REQUESTS_HANDED_BACK)  # counted where the request's stream is, not by an engine
 ENGINE_FAMILIES = tuple(family_name(m) for m in METRICS if m not in FLEET_METRICS + INGRESS_METRICS)
 INGRESS_FAMILIES = tuple(family_name(m) for m in INGRESS_METRICS)
@@ -163,16 +151,12 @@ class EngineMetrics:
         self._waiting.set(stats.num_waiting)
         self._kv.set(stats.kv_cache_usage)
         self._batch.set(stats.batch_size)
-        if stats.num_prefill_tokens:
-            self._prefill.inc(stats.num_prefill_tokens)
-        if stats.num_decode_tokens:
-            self._decode.inc(stats.num_decode_tokens)
-        if stats.num_preemptions:
-            self._preempt.inc(stats.num_preemptions)
-        if stats.num_prefix_cache_queries:
-            self._pc_queries.inc(stats.num_prefix_cache_queries)
-        if stats.num_prefix_cache_hits:
-            self._pc_hits.inc(stats.num_prefix_cache_hits)
+        for counter, count in ((self._prefill, stats.num_prefill_tokens), (self._decode, stats.num_decode_tokens),
+                               (self._preempt, stats.num_preemptions),
+                               (self._pc_queries, stats.num_prefix_cache_queries),
+                               (self._pc_hits, stats.num_prefix_cache_hits)):
+            if count:
+                counter.inc(count)
         generated = 0
         for out in outputs:
             generated += len(out.delta_token_ids)
@@ -215,7 +199,3 @@ class EngineMetrics:
         stale = [rid for rid, t in self._last_token.items() if now - t > _STALE_AFTER_S]
         for rid in stale:
             del self._last_token[rid]
-
-    @property
-    def num_tracked_requests(self) -> int:
-        return len(self._last_token)

@@ -94,9 +94,3 @@ def engine_config_from_flat(values: Mapping[str, Any]) -> EngineConfig:
         sections[spec.section][spec.field] = value
     own = sections.pop("")
     return EngineConfig(**{name: SECTIONS[name](**kwargs) for name, kwargs in sections.items()}, **own)
-
-
-def flat_from_engine_config(config: EngineConfig) -> dict[str, Any]:
-    """The flat keys of `config` (the inverse of engine_config_from_flat)."""
-    return {key: getattr(getattr(config, spec.section) if spec.section else config, spec.field)
-            for key, spec in ENGINE_KEYS.items()}

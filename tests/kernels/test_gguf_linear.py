@@ -7,6 +7,7 @@ import torch
 
 from conveyor.kernels import gguf
 from tests.cpu_ext_gate import require_cpu_ext
+from tests.tiny_model import quantize
 
 require_cpu_ext("gguf_linear")
 
@@ -15,7 +16,7 @@ TYPES = [gguf.Q4_1, gguf.Q8_0]
 
 def random_blocks(num_rows: int, in_features: int, ggml_type: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return gguf.quantize(torch.randn(num_rows, in_features, generator=gen), ggml_type)
+    return quantize(torch.randn(num_rows, in_features, generator=gen), ggml_type)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
@@ -30,7 +31,7 @@ def test_dequantize_matches_the_gguf_library(ggml_type: int) -> None:
 @pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
 def test_quantize_round_trips_within_half_a_step(ggml_type: int) -> None:
     w = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
-    back = gguf.dequantize(gguf.quantize(w, ggml_type), ggml_type, 64)
+    back = gguf.dequantize(quantize(w, ggml_type), ggml_type, 64)
     step = (w.amax() - w.amin()) / (15 if ggml_type == gguf.Q4_1 else 254)
     assert (back - w).abs().max() <= step  # half a step of rounding plus the fp16 scale's error
 

@@ -10,11 +10,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from prometheus_client import Histogram
 
-from conveyor.serving.metrics import exposed_series_names
+from conveyor.serving.metrics import METRICS, family_name
 from tests.metrics.dashboards_util import DASHBOARDS, exprs, load, metric_names, panels
 
 DS = "${datasource}"
+
+
+def exposed_series_names() -> set[str]:
+    """Every series name a PromQL expression may use (histograms add _bucket/_sum/_count)."""
+    names: set[str] = set()
+    for metric in METRICS:
+        name = family_name(metric)
+        if isinstance(metric, Histogram):
+            names.update({name + "_bucket", name + "_sum", name + "_count"})
+        else:
+            names.add(name)
+    return names
 
 
 def test_there_are_two_dashboards() -> None:

@@ -31,7 +31,7 @@ def test_step_and_request_lifecycle() -> None:
     em.observe_step(stats, [_out("a", 100.0, 100.1), _out("b", 100.0, 100.1)], now=100.1)
     # step 2 at t=100.15: a continues (ITL 0.05), b finishes (ITL 0.05, e2e 0.15)
     em.observe_step(stats, [_out("a", 100.0, 100.1), _out("b", 100.0, 100.1, True, "length")], now=100.15)
-    assert em.num_tracked_requests == 1  # b's timestamp dropped at finish
+    assert len(em._last_token) == 1  # b's timestamp dropped at finish
     assert _value("conveyor_time_to_first_token_seconds_count", **lab) == 2
     assert _value("conveyor_time_to_first_token_seconds_sum", **lab) == pytest.approx(0.2)
     assert _value("conveyor_inter_token_latency_seconds_count", **lab) == 2
@@ -60,10 +60,10 @@ def test_aborted_requests_are_pruned() -> None:
     em = m.EngineMetrics("unit-model", "r-prune")
     stats = EngineStepStats(step_time_s=0.001)
     em.observe_step(stats, [_out("gone", 0.0, 1.0)], now=1.0)  # never finishes (client aborted)
-    assert em.num_tracked_requests == 1
+    assert len(em._last_token) == 1
     for i in range(m._PRUNE_EVERY_STEPS):
         em.observe_step(stats, [], now=1.0 + m._STALE_AFTER_S + 1 + i)
-    assert em.num_tracked_requests == 0
+    assert len(em._last_token) == 0
 
 
 def test_every_family_is_exposed_with_conveyor_prefix() -> None:

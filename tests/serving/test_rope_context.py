@@ -126,7 +126,7 @@ def test_phi4_mini_config_as_the_hub_holds_it(tmp_path):
     transformers' Phi3RotaryEmbedding on both sides of the original context."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from conveyor.serving.models.phi3 import Phi3Model
+    from conveyor.serving.models.phi3 import Phi3ForCausalLM
 
     rotary_half = 6  # 0.75 of head_dim 16 rotates 12 dims
     config = _hub_config(tmp_path, dict(
@@ -137,7 +137,7 @@ def test_phi4_mini_config_as_the_hub_holds_it(tmp_path):
     theirs = Phi3RotaryEmbedding(config)
     x, positions = torch.zeros(1, 1, TINY["head_dim"]), torch.arange(20)
     for served, seq_len in ((ORIGINAL, ORIGINAL), (None, 20)):
-        ours = Phi3Model(config, "torch").rotary_emb
+        ours = Phi3ForCausalLM(config).model.rotary_emb
         ours.reset_tables(served)
         cos, _ = theirs(x, positions[None, :seq_len])
         assert ours.rotary_dim == 2 * rotary_half

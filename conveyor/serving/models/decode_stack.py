@@ -30,8 +30,10 @@ def unavailable_reason(model: nn.Module) -> str | None:
     if any(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers):
         return "the C++ decode loop has no mixture-of-experts layers"
     layer = model.model.layers[0]
-    if type(layer) is not DecoderLayer:  # Gemma's four norms and GELU, Phi-3's windowed attention
+    if type(layer) is not DecoderLayer:  # Gemma's four norms and GELU
         return f"the C++ decode loop runs Llama's decoder layer, not {type(layer).__name__}"
+    if model.model.rotary_emb.rotary_dim != layer.self_attn.head_dim:
+        return "the C++ decode loop rotates whole heads, not the first partial_rotary_factor of each (Phi-4-mini)"
     if layer.self_attn.has_qk_norm:
         return "the C++ decode loop has no query/key head norms (Qwen3)"
     if any(lay.self_attn.attn.sliding_window or lay.self_attn.attn.logits_soft_cap for lay in model.model.layers):

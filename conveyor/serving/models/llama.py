@@ -65,7 +65,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: str, layer_cls: type[nn.Module] = DecoderLayer) -> None:
+    def __init__(self, config, backend: str, layer_cls: type[nn.Module] = DecoderLayer,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         # The "cpu" attention backend means our C++ CPU extension is built: its fused norm and rope come along.
         self.fused = backend == "cpu" and cpu_fused.is_available()
@@ -73,7 +74,7 @@ class LlamaModel(nn.Module):
         # (2 s of a replica's start on 2 cores), for values the checkpoint overwrites anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config) if rotary_emb is None else rotary_emb
         self.layers = nn.ModuleList(layer_cls(config, backend, self.fused) for _ in range(config.num_hidden_layers))
         # Windows depend on the layer's index, which layer_cls (shared with the MoE families) is not given.
         for index, layer in enumerate(self.layers):
