@@ -45,10 +45,6 @@ class StepCostModel:
     margin_quantile: float = 0.99  # the SLO is on the p99
     margin_rate: float = 0.05
     margin: float = 1.0
-    # A step the host stalled (a GC pause, a preempted vCPU) enters the fit at most this many times its prediction:
-    # one 1 s stall weighs as much as ~50 steps of memory, and taught the fit that every step costs ~130 ms
-    # (TTFT admission then refused requests at light load). The margin still sees the real ratio.
-    max_fit_ratio: float = 4.0
     _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     _coef: list[float] | None = None
@@ -56,9 +52,7 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float, kv_reads: int = 0) -> None:
         if self._coef is not None:
-            predicted = max(self.predict(num_tokens, num_seqs, kv_reads), 1e-9)
-            self._update_margin(seconds / predicted)
-            seconds = min(seconds, self.max_fit_ratio * predicted)
+            self._update_margin(seconds / max(self.predict(num_tokens, num_seqs, kv_reads), 1e-9))
         x = (1.0, float(num_tokens), float(num_seqs), kv_reads * KV_SCALE)
         for i in range(NUM_FEATURES):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds

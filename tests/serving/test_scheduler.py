@@ -231,24 +231,6 @@ def test_step_cost_model_recovers_a_linear_cost():
     assert model.max_tokens_within(0.050, 8, 4, 4000, 10_000) == 4 + 2
 
 
-def test_one_stalled_step_does_not_move_the_fit():
-    from conveyor.serving.step_cost import StepCostModel
-
-    def cost(tokens: int, seqs: int) -> float:
-        return 0.010 + 0.0002 * tokens + 0.001 * seqs
-
-    clipped, unclipped = StepCostModel(), StepCostModel(max_fit_ratio=float("inf"))
-    for model in (clipped, unclipped):
-        for i in range(300):
-            tokens, seqs = 1 + (i * 37) % 300, 1 + i % 16
-            model.observe(tokens, seqs, cost(tokens, seqs))
-        model.observe(4, 4, 2.0)  # a 2 s stall of a 4-decode step
-    # Unclipped, the stall weighs like ~50 normal steps: the fixed cost jumps by tens of ms.
-    assert unclipped.predict(4, 4) > 2 * cost(4, 4)
-    assert abs(clipped.predict(100, 8) - cost(100, 8)) < 0.002
-    assert clipped.margin > 1.0  # the tail estimate still saw it
-
-
 def test_tail_latency_mode_sizes_the_budget_from_measured_step_cost():
     scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=512, itl_slo_ms=50.0, slo_headroom=1.0)
     runner = FakeRunner()
