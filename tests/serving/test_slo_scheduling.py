@@ -155,32 +155,29 @@ def _on_pace(scheduler, now: float) -> None:
         r.first_token_time = now - 0.1 * (len(r.output_token_ids) - 1)
 
 
-def test_a_stream_expected_to_go_on_lends_the_step_its_future_slack():
-    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=1.0)
-    for _ in range(64):
-        scheduler.budget.output_lengths.add(200)
+def _chunk_after_finished(lengths_of, tpot_credit_max: float = 1.0) -> int:
+    """The long prompt's chunk with every stream on pace, once requests of lengths_of(n) have finished (n: the
+    first stream's output tokens so far)."""
+    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=tpot_credit_max)
+    for length in lengths_of(len(scheduler.running[0].output_token_ids)):
+        scheduler.budget.output_lengths.add(length)
     _on_pace(scheduler, now=100.0)
+    return _long_prompt_chunk(scheduler, runner, now=100.0)
+
+
+def test_a_stream_expected_to_go_on_lends_the_step_its_future_slack():
     # ~170 more tokens, each ~88 ms under the target at the ~12 ms pace: far more than the cap, 100 ms + 1 x 100
     # ms: 10 + 0.5 (4 + n) <= 200 ms, n = 376.
-    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 376) <= 2
+    assert abs(_chunk_after_finished(lambda n: [200] * 64) - 376) <= 2
 
 
 def test_no_future_slack_from_requests_no_longer_than_the_stream():
-    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=3.0)
-    n = len(scheduler.running[0].output_token_ids)
-    for length in (5, n, n + 1):  # shorter, as long as it, or ending on the very next token: nothing to amortize
-        for _ in range(64):
-            scheduler.budget.output_lengths.add(length)
-    _on_pace(scheduler, now=100.0)
-    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+    # Shorter, as long as it, or ending on the very next token: nothing to amortize.
+    assert abs(_chunk_after_finished(lambda n: [5, n, n + 1] * 64, tpot_credit_max=3.0) - 176) <= 2
 
 
 def test_future_slack_needs_enough_finished_requests_and_can_be_switched_off():
-    scheduler, runner = _scheduler_with_known_cost(tpot_credit_max=1.0)
-    for _ in range(31):
-        scheduler.budget.output_lengths.add(200)
-    _on_pace(scheduler, now=100.0)
-    assert abs(_long_prompt_chunk(scheduler, runner, now=100.0) - 176) <= 2
+    assert abs(_chunk_after_finished(lambda n: [200] * 31) - 176) <= 2
     assert _scheduler_with_known_cost(tpot_credit_quantile=None)[0].budget.output_lengths is None
 
 
