@@ -384,8 +384,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if self.budget.output_lengths is not None and status in _ENDED_BY_ITS_OUTPUT:
-            self.budget.output_lengths.add(len(request.output_token_ids))
+        if status in _ENDED_BY_ITS_OUTPUT:
+            self.budget.observe_finished(len(request.output_token_ids))
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)

@@ -58,6 +58,11 @@ class StepBudget:
         quantile = config.tpot_credit_quantile
         self.output_lengths = OutputLengths(quantile) if quantile is not None else None
 
+    def observe_finished(self, num_output_tokens: int) -> None:
+        """A request ended by its own output (a stop or its length): what later streams are expected to run to."""
+        if self.output_lengths is not None:
+            self.output_lengths.add(num_output_tokens)
+
     @property
     def reads_step_cost(self) -> bool:
         """Whether anything plans with the step-cost model (otherwise nobody needs it fitted)."""
@@ -88,7 +93,7 @@ class StepBudget:
                           prefills[0].num_computed_tokens if prefills else 0, self._tpot_credit_s(decodes, now, pace_s))
         return min(limit, max(fits, floor, 1))
 
-    def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float = 0.0) -> float:
+    def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float) -> float:
         """How far this step may exceed the TPOT target: TPOT is a mean over a request's tokens, so a stream
         ahead of its pace (t_first + target x tokens so far) can take a longer step and stay within it, and so
         can one that will go on long enough to make the time up in steps shorter than the target (the tokens
