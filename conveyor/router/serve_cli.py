@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ APP_NAME = "conveyor"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser", "http_proxy",
                     "engine_keys", "print_config")
+CLUSTER_POLL_S = 2.0  # how often the foreground process checks that its local Ray cluster still runs
 
 
 def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
@@ -246,13 +246,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         logger.info("Conveyor is serving %r at http://%s:%d (OpenAI API under /v1), ready in %.1fs; "
                     "Ctrl-C to stop", cfg.served_model_name or cfg.model, args.host, args.port,
                     time.monotonic() - started)
-        threading.Event().wait()
+        lost = _wait_while_cluster_runs()
+        logger.error("the Ray cluster lost its %s (`ray stop`, or a crash); exiting", ", ".join(lost))
+        return 1
     except KeyboardInterrupt:
         logger.info("shutting down")
+        if not _lost_cluster_processes():  # serve.shutdown() would wait on a dead controller
+            serve.shutdown()
+        return 0
     finally:
-        serve.shutdown()
         ray.shutdown()
-    return 0
 
 
 def _single_cpu_replica(cfg: ServeArgs) -> bool:
@@ -278,6 +281,25 @@ def _stop_log_monitor() -> None:
         node.kill_log_monitor(check_alive=False)
     except Exception as exc:  # noqa: BLE001 - an internal API: where it moved, the monitor keeps running
         logger.debug("Ray's log monitor left running: %r", exc)
+
+
+def _wait_while_cluster_runs() -> list[str]:
+    """Wait (for Ctrl-C or SIGTERM) while the local Ray cluster that ray.init started keeps all its processes;
+    return the names of those that died. Without this check a `ray stop` from another shell left this process
+    waiting forever, its Ray client threads retrying the lost GCS on a whole core (half of a 2-core machine,
+    measured)."""
+    while not (lost := _lost_cluster_processes()):
+        time.sleep(CLUSTER_POLL_S)
+    return lost
+
+
+def _lost_cluster_processes() -> list[str]:
+    """The process types (gcs_server, raylet, ...) of the local cluster that have died; empty while it runs, or
+    where this process joined a cluster it did not start."""
+    from ray._private import worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)  # an internal API: where it moved, only signals stop us
+    return sorted({process_type for process_type, _ in node.dead_processes()}) if node is not None else []
 
 
 def _interrupt(*_: object) -> None:

@@ -51,36 +51,49 @@ def _ready(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, set[int]]]:
+def _start(model_dir: Path, log_dir: Path, config: Path) -> tuple[str, subprocess.Popen, Path]:
+    """`conveyor serve` in a local Ray cluster of its own, answering; returns its URL, process and log."""
     port = _free_port()
-    before = _engine_pids()
-    log = open(tmp_path_factory.mktemp("cli-serve") / "serve.log", "w")  # noqa: SIM115 - closed below
+    log_path = log_dir / "serve.log"
     # RAY_ADDRESS=local: a cluster of its own, whatever else runs on this host (the suite's own Ray). Ray's token
     # authentication as a user gets it (the suite's RAY_AUTH_MODE=disabled left out), with a token of its own
     # so no ~/.ray/auth_token is written.
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
         "RAY_ADDRESS": "local", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    LOGS["serve"] = Path(log.name)
-    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--num-kv-blocks", "64", "--max-num-seqs", "8", "--num-cpus", "1",
-           "--config", str(_config(tmp_path_factory))]
-    # Started with SIGINT ignored, as a shell starts a background job (`conveyor serve &`).
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--num-kv-blocks", "64", "--max-num-seqs", "8", "--num-cpus", "1", "--config", str(config)]
+    with open(log_path, "w") as log:
+        # Started with SIGINT ignored, as a shell starts a background job (`conveyor serve &`).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: proc.poll() is not None or _ready(url), 180, "conveyor serve to answer", 0.5)
-        assert proc.poll() is None, f"conveyor serve exited early: {Path(log.name).read_text()[-3000:]}"
+        assert proc.poll() is None, f"conveyor serve exited early: {log_path.read_text()[-3000:]}"
+    except BaseException:
+        _stop(proc)
+        raise
+    return url, proc, log_path
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, set[int]]]:
+    before = _engine_pids()
+    url, proc, log_path = _start(tiny_model_dir, tmp_path_factory.mktemp("cli-serve"), _config(tmp_path_factory))
+    LOGS["serve"] = log_path
+    try:
         yield url, proc, before
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+        _stop(proc)
 
 
 def _config(tmp_path_factory) -> Path:
@@ -178,3 +191,20 @@ def test_sigint_stops_every_engine_process(server) -> None:
     proc.wait(timeout=90)
     wait_until(lambda: not (_engine_pids() & mine), 30, "the engine process to exit")
     assert time.monotonic() - started < 90
+
+
+def test_exits_when_its_ray_cluster_stops(tiny_model_dir, tmp_path_factory) -> None:
+    """A `ray stop` from another shell (here: its GCS killed) ends `conveyor serve` with exit status 1 and a line
+    that says why, its engine process with it, instead of a process that waits forever on a core."""
+    before = _engine_pids()
+    _, proc, log_path = _start(tiny_model_dir, tmp_path_factory.mktemp("cli-serve-lost"), _config(tmp_path_factory))
+    try:
+        wait_until(lambda: "is serving" in log_path.read_text(), 60, "serve.run to return")
+        gcs = [pid for pid, parent, cmd in _processes() if parent == proc.pid and "gcs_server" in cmd]
+        assert gcs, "no GCS process under conveyor serve"
+        os.kill(gcs[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert "the Ray cluster lost its gcs_server" in log_path.read_text()
+        wait_until(lambda: not (_engine_pids() - before), 30, "the engine process to exit")
+    finally:
+        _stop(proc)
