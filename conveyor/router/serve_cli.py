@@ -251,10 +251,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     except KeyboardInterrupt:
         logger.info("shutting down")
-        if not _lost_cluster_processes():  # serve.shutdown() would wait on a dead controller
-            serve.shutdown()
         return 0
     finally:
+        if not _lost_cluster_processes():  # serve.shutdown() would wait on a dead controller
+            serve.shutdown()
         ray.shutdown()
 
 
