@@ -274,11 +274,8 @@ def _stop_log_monitor() -> None:
     off, yet it still polls the log directory ten times a second: the largest of Ray's system processes on an
     idle server, more than the GCS and the raylet together. `ray.init` cannot leave it out (`ray start
     --include-log-monitor=false` can), so it is stopped once started; the logs stay in /tmp/ray/session_*/logs."""
-    from ray._private import worker as ray_worker
-
-    node = getattr(ray_worker, "_global_node", None)
     try:
-        node.kill_log_monitor(check_alive=False)
+        _local_node().kill_log_monitor(check_alive=False)
     except Exception as exc:  # noqa: BLE001 - an internal API: where it moved, the monitor keeps running
         logger.debug("Ray's log monitor left running: %r", exc)
 
@@ -296,10 +293,15 @@ def _wait_while_cluster_runs() -> list[str]:
 def _lost_cluster_processes() -> list[str]:
     """The process types (gcs_server, raylet, ...) of the local cluster that have died; empty while it runs, or
     where this process joined a cluster it did not start."""
+    node = _local_node()  # where the internal API moved (None), only signals stop us
+    return sorted({process_type for process_type, _ in node.dead_processes()}) if node is not None else []
+
+
+def _local_node():  # noqa: ANN202 - ray._private.node.Node, an internal type
+    """The Ray node this process started with ray.init (its GCS, raylet, ... as child processes), or None."""
     from ray._private import worker as ray_worker
 
-    node = getattr(ray_worker, "_global_node", None)  # an internal API: where it moved, only signals stop us
-    return sorted({process_type for process_type, _ in node.dead_processes()}) if node is not None else []
+    return getattr(ray_worker, "_global_node", None)
 
 
 def _interrupt(*_: object) -> None:
