@@ -10,6 +10,12 @@ and goodput without an hour of served runs on a quiet machine. It leaves out wha
     .venv/bin/python -m benchmarks.slo_sim                                   # the issue-38 workload, 3 policies
     .venv/bin/python -m benchmarks.slo_sim --rates 1,2 --config fixed=tpot_slo_ms=none,ttft_slo_ms=none
     .venv/bin/python -m benchmarks.slo_sim --table benchmarks/out/step_table.json   # this machine's steps
+    .venv/bin/python -m benchmarks.slo_sim --goodput-points --rates 2,2,2 --num-prompts 80 --warmup-s 20
+
+--goodput-points replays the very requests of a `benchmarks.goodput` sweep with the same --rates, --num-prompts,
+--warmup-s and --seed (conveyor/bench/runner.py plan_point: each point's warm-up, then its measured requests; only
+those count), so a served point's attainment can be set beside the simulated one on the same prompts and arrivals.
+--step-scale multiplies every step time: served steps ran 1.10-1.20x the table at 2 req/s (RESULTS.md).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conveyor.bench.runner import plan_point
 from conveyor.bench.workload import arrival_offsets, derive_seed, lognormal_lengths
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager
@@ -172,19 +179,40 @@ def main() -> None:
     parser.add_argument("--ttft-s", type=float, default=2.0)
     parser.add_argument("--tpot-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput-points", action="store_true",
+                        help="replay benchmarks.goodput's requests for these --rates (point i: its i-th rate)")
+    parser.add_argument("--step-scale", type=float, default=1.0, help="multiply every step time by this")
     parser.add_argument("--table", default=None, help="a step_table.py JSON (default: machine E's, benchmarks/results)")
     args = parser.parse_args()
     table = StepTable.load(args.table or DEFAULT_TABLE)
+    if args.step_scale != 1.0:
+        table = StepTable(table.decode_knots, table.prefill_knots,
+                          tuple(tuple(ms * args.step_scale for ms in row) for row in table.step_ms))
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     print("| config | rate | attainment | of admitted | refused | goodput | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for rate in (float(r) for r in args.rates.split(",")):
-        lengths = lognormal_lengths(args.num_prompts, derive_seed(args.seed, rate, "lengths"))
-        offsets = arrival_offsets(args.num_prompts, rate, seed=derive_seed(args.seed, rate, "arrivals"))
+    for index, rate in enumerate(float(r) for r in args.rates.split(",")):
+        lengths, offsets, warmup_s = _point(args, index, rate)
         for name, overrides in configs:
             config = SchedulerConfig(**(BASE_CONFIG | overrides))
             outcomes = simulate(config, lengths, offsets, table, args.seed)
-            print(report(name, rate, outcomes, args.warmup_s, args.ttft_s, args.tpot_ms / 1000), flush=True)
+            print(report(name, rate, outcomes, warmup_s, args.ttft_s, args.tpot_ms / 1000), flush=True)
+
+
+def _point(args: argparse.Namespace, index: int, rate: float) -> tuple[list[tuple[int, int]], list[float], float]:
+    """A rate point's (prompt, output) lengths, arrival offsets, and the arrival time before which none counts."""
+    if not args.goodput_points:
+        lengths = lognormal_lengths(args.num_prompts, derive_seed(args.seed, rate, "lengths"))
+        offsets = arrival_offsets(args.num_prompts, rate, seed=derive_seed(args.seed, rate, "arrivals"))
+        return lengths, offsets, args.warmup_s
+    bench_args = argparse.Namespace(same_prompts_every_rate=False, seed=args.seed, random_prefix_len=0,
+                                    max_token_id=49000, dataset="lognormal", input_len=200, output_len=64,
+                                    max_prompt_len=512, max_output_len=128, warmup_s=args.warmup_s, burstiness=1.0,
+                                    num_prompts=args.num_prompts)
+    plan = plan_point(bench_args, rate, index)
+    lengths = [(len(r.prompt_token_ids), r.max_tokens) for r in plan.requests]
+    # The measured requests arrive from window_start_s on, the warm-up's before it.
+    return lengths, plan.offsets, plan.window_start_s
 
 
 if __name__ == "__main__":

@@ -176,10 +176,16 @@ class EngineConfig:
     # Fewer, larger records for every process on the path, for a coarser stream.
     stream_interval: int = setting(
         1, "vLLM's stream_interval: a stream gets a request's tokens every this many (its first and last at once)")
+    # One message per decode step wakes every process on the path mid-step (step_batching.py).
+    stream_batching_interval_ms: float = setting(
+        0.0, "Ray Serve LLM's stream_batching_interval_ms: the engine process sends decode steps' outputs at most "
+        "this often, several steps in one message (a first token, a last one and errors at once; 0: every step)")
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.stream_batching_interval_ms >= 0:
+            raise ValueError(f"stream_batching_interval_ms must be >= 0, got {self.stream_batching_interval_ms}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.gguf_max_rows is not None and self.gguf_max_rows < 0:

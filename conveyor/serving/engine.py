@@ -262,7 +262,8 @@ class LLMEngine(PromptSide):
             batch_size=len(sched.chunks), num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache.usage,
             num_preemptions=len(sched.preempted_ids),
-            num_prefix_cache_queries=step.num_prefix_queries, num_prefix_cache_hits=step.num_prefix_hits)
+            num_prefix_cache_queries=step.num_prefix_queries, num_prefix_cache_hits=step.num_prefix_hits,
+            finished_at=time.monotonic())
         if self.step_trace is not None:
             self.step_trace.write(stats)
         return outputs, stats

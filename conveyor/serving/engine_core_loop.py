@@ -19,6 +19,7 @@ from conveyor.serving.engine_client import DeviceFaultError, device_fault
 from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
 from conveyor.serving.scheduler import QueueFullError
+from conveyor.serving.step_batching import StepBatcher
 from conveyor.serving.ttft_forecast import cached_prefix_tokens
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class _Core:
         kv = engine.kv_cache
         self.inbox = Inbox(conn, lambda token_ids: cached_prefix_tokens(kv.pool, kv.block_size, token_ids))
         self.num_adds_applied = 0
+        self.batcher = StepBatcher(engine.config.stream_batching_interval_ms / 1000)
+        self._last_step_s = 0.0
         self.handlers = {msg.Add: self._add, msg.Abort: self._abort, msg.Query: self._query, msg.Stall: self._stall}
 
     def info(self) -> dict[str, Any]:
@@ -115,6 +118,7 @@ class _Core:
         while True:
             if not self.engine.has_unfinished():
                 if worked:  # just gone idle: nothing of the requests that ended may stay behind
+                    self._flush()
                     self._release_finished()
                     worked = False
                 message = self.inbox.get(IDLE_POLL_S)
@@ -126,8 +130,17 @@ class _Core:
                 self._step()
                 worked = True
             elif applied:  # nothing to step (aborts, refusals): the parent's view must still move on
-                self.inbox.send(msg.LoadReport(self.load()))
+                self._send(msg.LoadReport(self.load()))
                 worked = True
+
+    def _send(self, message: Any) -> None:
+        """Held steps leave first: the parent sees the engine's messages in the order they were made."""
+        self._flush()
+        self.inbox.send(message)
+
+    def _flush(self) -> None:
+        if (held := self.batcher.take()) is not None:
+            self.inbox.send(held)
 
     def _release_finished(self) -> None:
         try:
@@ -143,10 +156,12 @@ class _Core:
             return
         logger.critical("GPU device-side fault in the engine step: this engine process stops and its replica "
                         "must be replaced", exc_info=exc)
-        self.inbox.send(msg.DeviceFault(fault))
+        self._send(msg.DeviceFault(fault))
         raise DeviceFaultError(fault) from exc
 
     def _step(self) -> None:
+        if self.batcher.due_within(self._last_step_s):
+            self._flush()  # held outputs would otherwise wait a whole step past the interval
         try:
             outputs, stats = self.engine.core_step()
         except Exception as exc:  # keep serving, as AsyncEngine does: fail the live requests, not the process
@@ -155,11 +170,13 @@ class _Core:
             live = list(self.engine.scheduler.requests)
             self.engine.abort_requests(live)
             for request_id in live:
-                self.inbox.send(msg.Reject(request_id, "engine_error", f"engine step failed: {exc}"))
-            self.inbox.send(msg.LoadReport(self.load()))
+                self._send(msg.Reject(request_id, "engine_error", f"engine step failed: {exc}"))
+            self._send(msg.LoadReport(self.load()))
             return
         self.inbox.set_forecast(self.engine.scheduler.ttft_forecast())
-        self.inbox.send(msg.Step(outputs, stats, self.load()))
+        self._last_step_s = stats.step_time_s
+        if (ready := self.batcher.add(msg.Step(outputs, stats, self.load()))) is not None:
+            self.inbox.send(ready)
 
     def _drain(self) -> int:
         applied = 0
@@ -185,14 +202,14 @@ class _Core:
             if request_id is not None:
                 self._fail_request(request_id, exc)
             elif isinstance(message, msg.Query):
-                self.inbox.send(msg.Reply(message.query_id, None))
+                self._send(msg.Reply(message.query_id, None))
 
     def _fail_request(self, request_id: str, exc: Exception) -> None:
         try:
             self.engine.abort_requests([request_id])
         except Exception:  # noqa: BLE001 - the request may be half-added; what it holds is logged, not fatal
             logger.exception("aborting %s after a failure failed", request_id)
-        self.inbox.send(msg.Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
+        self._send(msg.Reject(request_id, "engine_error", f"engine failed on this request: {exc}"))
 
     def _add(self, message: msg.Add) -> None:
         self.num_adds_applied += 1
@@ -203,18 +220,19 @@ class _Core:
                                                validate_grammar=False)
             self.engine.add_request(request, process_outputs=False, check_ttft=not message.ttft_admitted)
         except QueueFullError as exc:
-            self.inbox.send(msg.Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
+            self._send(msg.Reject(message.request_id, exc.reason, str(exc), exc.retry_after_s))
         except (ValueError, TypeError) as exc:
-            self.inbox.send(msg.Reject(message.request_id, "invalid_request", str(exc)))
+            self._send(msg.Reject(message.request_id, "invalid_request", str(exc)))
 
     def _abort(self, message: msg.Abort) -> None:
         self.engine.abort_requests([message.request_id])
 
     def _query(self, message: msg.Query) -> None:
-        self.inbox.send(msg.Reply(message.query_id, self._answer(message.name)))
+        self._send(msg.Reply(message.query_id, self._answer(message.name)))
 
     def _stall(self, message: msg.Stall) -> None:
         logger.warning("engine loop stalled for %.1f s on request (test hook)", message.seconds)
+        self._flush()
         time.sleep(message.seconds)
 
     def _answer(self, name: str) -> Any:

@@ -80,6 +80,14 @@ class Step:
 
 
 @dataclass(slots=True)
+class StepBatch:
+    """Consecutive steps in one message (step_batching.py): the replica handles them in order, then posts their
+    outputs to the streams in one wake-up."""
+
+    steps: list[Step]
+
+
+@dataclass(slots=True)
 class LoadReport:
     load: CoreLoad
 

@@ -42,7 +42,7 @@ from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine_client import DeviceFaultError, EngineDeadError, EngineLoad, StreamingClient
 from conveyor.serving.openmp_runtime import engine_child_env
 from conveyor.serving.output_processor import OutputProcessor
-from conveyor.serving.outputs import RequestOutput
+from conveyor.serving.outputs import RequestOutput, merge_outputs
 from conveyor.serving.request import SamplingParams
 from conveyor.serving.scheduler import REFUSAL_REASONS, QueueFullError
 
@@ -277,14 +277,9 @@ class ProcessEngine(StreamingClient):
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, msg.Step):
-            self._set_load(message.load)
-            outputs, stopped = self._processor.process(message.outputs)
-            for request_id in stopped:
-                self.abort(request_id)
-            # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
-            for listener in self._step_listeners:
-                listener(message.stats, outputs)
-            self._deliver(outputs, self.config.stream_interval)
+            self._on_steps([message])
+        elif isinstance(message, msg.StepBatch):
+            self._on_steps(message.steps)
         elif isinstance(message, msg.LoadReport):
             self._set_load(message.load)
         elif isinstance(message, msg.Reject):
@@ -296,11 +291,29 @@ class ProcessEngine(StreamingClient):
         else:
             raise TypeError(f"unknown message from the engine process: {type(message).__name__}")
 
+    def _on_steps(self, steps: list[msg.Step]) -> None:
+        """Steps in order; their outputs reach the streams together, one record per request (one wake-up of each
+        event loop)."""
+        delivered: dict[str, list[RequestOutput]] = {}
+        for step in steps:
+            self._set_load(step.load)
+            outputs, stopped = self._processor.process(step.outputs)
+            for request_id in stopped:
+                self.abort(request_id)
+            # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
+            for listener in self._step_listeners:
+                listener(step.stats, outputs)
+            for output in outputs:
+                delivered.setdefault(output.request_id, []).append(output)
+        self._deliver([merge_outputs(outs) if len(outs) > 1 else outs[0] for outs in delivered.values()],
+                      self.config.stream_interval)
+
     def _fail_requests_of(self, message: object) -> None:
         """After a failure handling `message`: the requests it carried end with an error; others go on."""
         exc = RuntimeError("engine client failed on this request's output")
-        if isinstance(message, msg.Step):
-            ids = set(message.outputs.request_ids)
+        if isinstance(message, msg.Step | msg.StepBatch):
+            steps = message.steps if isinstance(message, msg.StepBatch) else [message]
+            ids = {rid for step in steps for rid in step.outputs.request_ids}
         else:
             ids = {rid} if (rid := getattr(message, "request_id", None)) is not None else set()
         for request_id in ids:

@@ -139,7 +139,9 @@ class EngineMetrics:
         # An exception escaping a step listener makes AsyncEngine fail every live request: a metrics bug
         # must cost metrics, never requests.
         try:
-            self._observe_step(stats, outputs, time.monotonic() if now is None else now)
+            if now is None:
+                now = stats.finished_at or time.monotonic()
+            self._observe_step(stats, outputs, now)
         except Exception:  # noqa: BLE001
             if not self._warned:
                 self._warned = True

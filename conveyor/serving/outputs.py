@@ -108,6 +108,9 @@ class EngineStepStats:
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
     timings: StepTimings = field(default_factory=StepTimings)
+    # time.monotonic() when the step's tokens were sampled (one clock for every process of a host): metrics time
+    # tokens by it, since a step's outputs may reach them later, several steps at once (step_batching.py).
+    finished_at: float = 0.0
 
 
 @dataclass(slots=True)

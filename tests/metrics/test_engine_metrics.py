@@ -56,6 +56,17 @@ def test_step_and_request_lifecycle() -> None:
     assert _value("conveyor_requests_rejected_total", reason="queue_full", **lab) == 1
 
 
+def test_tokens_are_timed_by_the_step_that_sampled_them_not_by_when_they_arrive() -> None:
+    """Stream batching hands several steps to the listener at once: ITL must still be the steps' spacing."""
+    em = m.EngineMetrics("unit-model", "r-batched")
+    lab = {"model": "unit-model", "replica": "r-batched"}
+    em.observe_step(EngineStepStats(step_time_s=0.01, finished_at=50.0), [_out("a", 49.9, 50.0)])
+    for t in (50.02, 50.04):  # both delivered later, in one batch
+        em.observe_step(EngineStepStats(step_time_s=0.01, finished_at=t), [_out("a", 49.9, 50.0)])
+    assert _value("conveyor_inter_token_latency_seconds_count", **lab) == 2
+    assert _value("conveyor_inter_token_latency_seconds_sum", **lab) == pytest.approx(0.04)
+
+
 def test_aborted_requests_are_pruned() -> None:
     em = m.EngineMetrics("unit-model", "r-prune")
     stats = EngineStepStats(step_time_s=0.001)
