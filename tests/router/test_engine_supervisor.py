@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.router.engine_supervisor import EngineSupervisor
+from tests.polling import poll_until
 
 
 class FakeEngine:
@@ -51,12 +52,7 @@ def _supervisor(stall_timeout_s: float = 60.0) -> tuple[EngineSupervisor, list[F
 
 
 def _wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
+    return poll_until(predicate, timeout_s, interval_s=0.01)
 
 
 def test_a_dead_engine_process_is_restarted_in_place() -> None:

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from conveyor.serving.engine import LLMEngine
 from conveyor.serving.engine_client import EngineDeadError
 from conveyor.serving.engine_process import ProcessEngine
 from conveyor.serving.scheduler import QueueFullError
+from tests.polling import poll_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -39,12 +39,7 @@ async def _collect(engine, prompt, params=GREEDY) -> list:
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
+    return poll_until(predicate, timeout_s)
 
 
 def test_streams_the_same_tokens_as_the_in_process_engine(engine, tiny_model_dir):

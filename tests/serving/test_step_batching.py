@@ -3,7 +3,6 @@ leave together, while first tokens, last tokens and every other message leave at
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from conveyor.serving.engine_process import ProcessEngine
 from conveyor.serving.output_processor import CoreOutputs, RequestTimes
 from conveyor.serving.outputs import EngineStepStats
 from conveyor.serving.step_batching import StepBatcher
+from tests.polling import poll_until
 
 LOAD = msg.CoreLoad(0, 1, 0.0, 8, 0.0, 1)
 
@@ -91,15 +91,6 @@ def _config(model_dir, interval_ms: float) -> EngineConfig:
                         stream_batching_interval_ms=interval_ms)
 
 
-def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 async def _collect(engine, prompt: str, params: SamplingParams = GREEDY) -> list:
     return [o async for o in engine.generate(prompt, params)]
 
@@ -138,7 +129,7 @@ def test_a_stop_string_ends_a_batched_stream_where_it_ends_an_unbatched_one(engi
     assert streamed[-1].finish_reason == expected[-1].finish_reason == "stop"
     assert streamed[-1].text == expected[-1].text == full[:full.index(stop)]
     # The abort reached the engine process: nothing of the request runs there.
-    assert _wait_for(lambda: batched.load().num_running == 0)
+    assert poll_until(lambda: batched.load().num_running == 0, 10.0)
 
 
 def test_concurrent_batched_streams_each_get_all_their_tokens(engines) -> None:
