@@ -294,19 +294,26 @@ class ProcessEngine(StreamingClient):
     def _on_steps(self, steps: list[msg.Step]) -> None:
         """Steps in order; their outputs reach the streams together, one record per request (one wake-up of each
         event loop)."""
-        delivered: dict[str, list[RequestOutput]] = {}
-        for step in steps:
-            self._set_load(step.load)
-            outputs, stopped = self._processor.process(step.outputs)
-            for request_id in stopped:
-                self.abort(request_id)
-            # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
-            for listener in self._step_listeners:
-                listener(step.stats, outputs)
+        per_step = [self._on_step(step) for step in steps]
+        if len(per_step) == 1:  # the common case (no batching): a request appears once in a step
+            self._deliver(per_step[0], self.config.stream_interval)
+            return
+        by_request: dict[str, list[RequestOutput]] = {}
+        for outputs in per_step:
             for output in outputs:
-                delivered.setdefault(output.request_id, []).append(output)
-        self._deliver([merge_outputs(outs) if len(outs) > 1 else outs[0] for outs in delivered.values()],
+                by_request.setdefault(output.request_id, []).append(output)
+        self._deliver([merge_outputs(outs) if len(outs) > 1 else outs[0] for outs in by_request.values()],
                       self.config.stream_interval)
+
+    def _on_step(self, step: msg.Step) -> list[RequestOutput]:
+        self._set_load(step.load)
+        outputs, stopped = self._processor.process(step.outputs)
+        for request_id in stopped:
+            self.abort(request_id)
+        # Listeners first: whoever sees a request finish can rely on its metrics being counted already.
+        for listener in self._step_listeners:
+            listener(step.stats, outputs)
+        return outputs
 
     def _fail_requests_of(self, message: object) -> None:
         """After a failure handling `message`: the requests it carried end with an error; others go on."""
