@@ -63,6 +63,11 @@ class StepTable:
         step_ms = data.get("step_ms_by_split", {}).get("False", data["step_ms"])
         return cls(tuple(data["decode_knots"]), tuple(data["prefill_knots"]), tuple(tuple(row) for row in step_ms))
 
+    def scaled(self, factor: float) -> StepTable:
+        """The same table with every step `factor` times as long."""
+        return StepTable(self.decode_knots, self.prefill_knots,
+                         tuple(tuple(ms * factor for ms in row) for row in self.step_ms))
+
     def step_seconds(self, num_decodes: int, num_prefill: int) -> float:
         """The table's step time, interpolated in C for every row of B, then in B."""
         by_decodes = [_interp(self.prefill_knots, list(row), num_prefill) for row in self.step_ms]
@@ -186,8 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     table = StepTable.load(args.table or DEFAULT_TABLE)
     if args.step_scale != 1.0:
-        table = StepTable(table.decode_knots, table.prefill_knots,
-                          tuple(tuple(ms * args.step_scale for ms in row) for row in table.step_ms))
+        table = table.scaled(args.step_scale)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     print("| config | rate | attainment | of admitted | refused | goodput | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -199,17 +203,21 @@ def main() -> None:
             print(report(name, rate, outcomes, warmup_s, args.ttft_s, args.tpot_ms / 1000), flush=True)
 
 
+def goodput_args(num_prompts: int, warmup_s: float, seed: int) -> argparse.Namespace:
+    """benchmarks.goodput's settings at its defaults but these: the workload its sweep draws."""
+    from benchmarks.goodput import build_parser  # late: only --goodput-points needs the sweep's parser
+
+    return build_parser().parse_args(["--num-prompts", str(num_prompts), "--warmup-s", str(warmup_s),
+                                      "--seed", str(seed)])
+
+
 def _point(args: argparse.Namespace, index: int, rate: float) -> tuple[list[tuple[int, int]], list[float], float]:
     """A rate point's (prompt, output) lengths, arrival offsets, and the arrival time before which none counts."""
     if not args.goodput_points:
         lengths = lognormal_lengths(args.num_prompts, derive_seed(args.seed, rate, "lengths"))
         offsets = arrival_offsets(args.num_prompts, rate, seed=derive_seed(args.seed, rate, "arrivals"))
         return lengths, offsets, args.warmup_s
-    bench_args = argparse.Namespace(same_prompts_every_rate=False, seed=args.seed, random_prefix_len=0,
-                                    max_token_id=49000, dataset="lognormal", input_len=200, output_len=64,
-                                    max_prompt_len=512, max_output_len=128, warmup_s=args.warmup_s, burstiness=1.0,
-                                    num_prompts=args.num_prompts)
-    plan = plan_point(bench_args, rate, index)
+    plan = plan_point(goodput_args(args.num_prompts, args.warmup_s, args.seed), rate, index)
     lengths = [(len(r.prompt_token_ids), r.max_tokens) for r in plan.requests]
     # The measured requests arrive from window_start_s on, the warm-up's before it.
     return lengths, plan.offsets, plan.window_start_s

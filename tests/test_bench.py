@@ -387,15 +387,13 @@ def test_the_simulator_replays_the_goodput_sweeps_own_requests() -> None:
     """slo_sim --goodput-points: point i is benchmarks.goodput's i-th point, warm-up first, the window after it."""
     import argparse
 
+    from benchmarks import goodput
     from benchmarks.slo_sim import _point
     from conveyor.bench.runner import plan_point
 
     sim_args = argparse.Namespace(goodput_points=True, seed=0, num_prompts=12, warmup_s=5.0)
     lengths, offsets, window_start_s = _point(sim_args, 1, 2.0)
-    bench_args = argparse.Namespace(same_prompts_every_rate=False, seed=0, random_prefix_len=0, max_token_id=49000,
-                                    dataset="lognormal", input_len=200, output_len=64, max_prompt_len=512,
-                                    max_output_len=128, warmup_s=5.0, burstiness=1.0, num_prompts=12)
-    plan = plan_point(bench_args, 2.0, 1)
+    plan = plan_point(goodput.parse_args(["--targets", "conveyor", "--num-prompts", "12", "--warmup-s", "5"]), 2.0, 1)
     assert lengths == [(len(r.prompt_token_ids), r.max_tokens) for r in plan.requests]
     assert offsets == plan.offsets and window_start_s == 5.0
     assert sum(t >= window_start_s for t in offsets) == 12
