@@ -1,4 +1,5 @@
-"""What a narrower KV cache costs in output: greedy answers with each kv_cache_dtype against the float32 cache's.
+"""What a narrower KV cache, or bf16 prefill matmuls, cost in output: greedy answers with each kv_cache_dtype (and
+with `cpu_prefill_dtype: bfloat16`) against the all-float32 engine's.
 
 SmolLM2-135M-Instruct (the default model, float32 weights), chat prompts of several kinds, greedy, answers as a
 user gets them (up to EOS or --max-tokens). For each cache dtype: how many answers are identical to the float32
@@ -8,6 +9,9 @@ A greedy answer diverges for good once one near-tie flips, so the prefix share i
 conservative figure; bfloat16 gives the yardstick of a cache whose rounding nobody notices.
 
     .venv/bin/python -m benchmarks.kv_cache_quality [--dtypes bfloat16,fp8_e4m3,fp8_e5m2] [--max-tokens 128]
+        [--prefill-dtypes bfloat16]
+
+All prompts go in one engine step (their prefill is one step of ~600 tokens), so `cpu_prefill_dtype` applies to it.
 """
 from __future__ import annotations
 
@@ -36,10 +40,11 @@ PROMPTS = [
 ]
 
 
-def answers(kv_cache_dtype: str, max_tokens: int) -> list[list[int]]:
+def answers(max_tokens: int, kv_cache_dtype: str = "auto", cpu_prefill_dtype: str = "float32") -> list[list[int]]:
     from conveyor.serving import LLM, SamplingParams
 
-    llm = LLM(model="smollm2", kv_cache_dtype=kv_cache_dtype, max_num_seqs=len(PROMPTS))
+    llm = LLM(model="smollm2", kv_cache_dtype=kv_cache_dtype, cpu_prefill_dtype=cpu_prefill_dtype,
+              max_num_seqs=len(PROMPTS), max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
     token_ids = [list(r.token_ids) for r in results]
@@ -63,16 +68,20 @@ def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
+    parser.add_argument("--prefill-dtypes", default="", help="cpu_prefill_dtype values to compare (float32 cache)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json")
     args = parser.parse_args()
-    reference = answers("auto", args.max_tokens)
+    reference = answers(args.max_tokens)
     rows = {}
-    print("| kv_cache_dtype | identical answers | agree before the first difference (median / mean) "
+    print("| setting | identical answers | agree before the first difference (median / mean) "
           "| same token at a position |")
     print("|---|---|---|---|")
-    for name in args.dtypes.split(","):
-        row = rows[name] = agreement(reference, answers(name, args.max_tokens))
+    settings = [("kv_cache_dtype", d) for d in args.dtypes.split(",") if d]
+    settings += [("cpu_prefill_dtype", d) for d in args.prefill_dtypes.split(",") if d]
+    for key, value in settings:
+        name = f"{key}={value}"
+        row = rows[name] = agreement(reference, answers(args.max_tokens, **{key: value}))
         print(f"| {name} | {row['identical']} / {row['answers']} | {row['prefix_median']:.0%} / "
               f"{row['prefix_mean']:.0%} | {row['same_position']:.0%} |")
     if args.json:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # vLLM's kv_cache_dtype values we support: "auto" is the model's dtype; "fp8" is fp8_e4m3, as in vLLM.
+CPU_PREFILL_DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # SchedulerConfig.admission_policy: refuse what would miss its TTFT target, or queue everything up to the bounds.
 ADMISSION_POLICIES = ("slo", "queue")
@@ -162,7 +163,15 @@ class EngineConfig:
     # The same weights in 5-8.5 bits rather than 32 (models/gguf_weights.py).
     gguf_max_rows: int | None = setting(
         None, "CPU float32, model from a GGUF: steps of at most this many tokens multiply by the file's quantized "
-        "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8)")
+        "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8; 12 with "
+        "cpu_prefill_dtype bfloat16)")
+    # Prefill is most of a CPU server's work; oneDNN's packed bf16 GEMM runs it at ~1.8x fp32's where bf16 is native.
+    cpu_prefill_dtype: str = setting(
+        "float32", "CPU, model from a GGUF: the element type the decoder layers' linears multiply in for steps "
+        "past gguf_max_rows (prefill chunks, large decode batches); bfloat16 needs AVX512-BF16 or AMX, ~1.8x "
+        "the float32 rate, and rounds those matmuls' inputs and weights to bf16, so greedy outputs may differ "
+        "from float32's",
+        choices=CPU_PREFILL_DTYPES)
     # The CPU's CUDA graph: ~10 Python-driven kernel calls per layer become one C++ call, bit-identical.
     cpu_decode_stack: bool = setting(
         True, "CPU, every projection in GGUF blocks: a decode-only step runs its layers in one C++ call "
@@ -188,6 +197,8 @@ class EngineConfig:
             raise ValueError(f"stream_batching_interval_ms must be >= 0, got {self.stream_batching_interval_ms}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.cpu_prefill_dtype not in CPU_PREFILL_DTYPES:
+            raise ValueError(f"cpu_prefill_dtype must be one of {CPU_PREFILL_DTYPES}, got {self.cpu_prefill_dtype!r}")
         if self.gguf_max_rows is not None and self.gguf_max_rows < 0:
             raise ValueError(f"gguf_max_rows must be >= 0, got {self.gguf_max_rows}")
         if self.attention_backend not in ATTENTION_BACKENDS:

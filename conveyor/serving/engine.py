@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from conveyor.kernels import gguf, ops
+from conveyor.kernels import ops
 from conveyor.serving import grammar
 from conveyor.serving.attention import uniform_sliding_window
 from conveyor.serving.config import EngineConfig
@@ -21,7 +21,13 @@ from conveyor.serving.memory import block_bytes, keep_freed_memory_in_process, n
 from conveyor.serving.model_runner import ModelRunner, profile_step
 from conveyor.serving.models.cpu_packing import packable_dtypes
 from conveyor.serving.models.decode_stack import DecodeStack
-from conveyor.serving.models.gguf_weights import attach_gguf_weights, gguf_weights_unavailable_reason, load_blocks
+from conveyor.serving.models.gguf_weights import (
+    attach_gguf_weights,
+    default_gguf_max_rows,
+    gguf_weights_unavailable_reason,
+    load_blocks,
+    multiply_prefills_in_bfloat16,
+)
 from conveyor.serving.models.loader import generation_eos_ids, load_model, resolve_device_dtype
 from conveyor.serving.output_processor import CoreOutputs, OutputProcessor, RequestTimes
 from conveyor.serving.outputs import EngineStepStats, ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -62,8 +68,10 @@ class LLMEngine(PromptSide):
         self.num_params = sum(p.numel() for p in self.model.parameters())
         if config.cpu_weight_packing and self.device.type == "cpu" and self.dtype in packable_dtypes():
             self.model.pack_for_cpu()
-        self.gguf_max_rows = gguf.default_max_rows() if config.gguf_max_rows is None else config.gguf_max_rows
+        self.gguf_max_rows = default_gguf_max_rows(config) if config.gguf_max_rows is None else config.gguf_max_rows
         self.num_gguf_linears = self._attach_gguf_weights(self.gguf_max_rows)
+        if config.cpu_prefill_dtype == "bfloat16":
+            self._multiply_prefills_in_bfloat16()
         self.model.decode_stack = self._decode_stack() if config.cpu_decode_stack and self.num_gguf_linears else None
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
@@ -115,6 +123,16 @@ class LLMEngine(PromptSide):
         count = attach_gguf_weights(self.model, blocks, max_rows)
         logger.info("%d linears read the GGUF's quantized blocks in steps of <= %d tokens", count, max_rows)
         return count
+
+    def _multiply_prefills_in_bfloat16(self) -> None:
+        if not self.num_gguf_linears:
+            raise ValueError("cpu_prefill_dtype bfloat16 applies to a GGUF model's linears on CPU in float32 with "
+                             "gguf_max_rows > 0; this engine reads no GGUF blocks")
+        if torch.bfloat16 not in packable_dtypes():
+            raise ValueError("cpu_prefill_dtype bfloat16 needs a CPU that multiplies bf16 natively (AVX512-BF16 or "
+                             "AMX) and oneDNN; elsewhere bf16 is emulated, slower than float32")
+        count = multiply_prefills_in_bfloat16(self.model)
+        logger.info("%d linears multiply steps of > %d tokens in bfloat16", count, self.gguf_max_rows)
 
     def _decode_stack(self) -> DecodeStack | None:
         try:

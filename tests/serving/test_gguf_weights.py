@@ -7,7 +7,15 @@ from safetensors.torch import load_file
 
 from conveyor.kernels import gguf
 from conveyor.serving import LLM, SamplingParams
-from conveyor.serving.models.gguf_weights import GGUFLinear, hf_name, load_blocks
+from conveyor.serving.config import EngineConfig
+from conveyor.serving.models.cpu_packing import Bfloat16PackedLinear, PackedLinear, packable_dtypes
+from conveyor.serving.models.gguf_weights import (
+    BFLOAT16_PREFILL_MAX_ROWS,
+    GGUFLinear,
+    default_gguf_max_rows,
+    hf_name,
+    load_blocks,
+)
 from tests.cpu_ext_gate import require_cpu_ext
 
 require_cpu_ext("gguf_linear")
@@ -89,3 +97,53 @@ def test_default_threshold_follows_the_cpu(quantized_dir, monkeypatch):
     for capability, rows in (("AVX512", 64), ("AVX2", 64), ("DEFAULT", 8)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert gguf.default_max_rows() == rows
+
+
+native_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(),
+                                 reason="bf16 is not native on this CPU (no AVX512-BF16 or AMX)")
+
+
+@native_bf16
+def test_bfloat16_prefill_multiplies_large_steps_in_bf16_and_small_ones_by_the_blocks(quantized_dir):
+    fp32 = LLM(str(quantized_dir), gguf_max_rows=4, num_kv_blocks=64)
+    bf16 = LLM(str(quantized_dir), gguf_max_rows=4, num_kv_blocks=64, cpu_prefill_dtype="bfloat16")
+    want, got = (llm.engine.model.model.layers[0].mlp.gate_up_proj for llm in (fp32, bf16))
+    assert isinstance(got.dense, Bfloat16PackedLinear) and type(want.dense) is PackedLinear
+    head = bf16.engine.model.lm_head or bf16.engine.model.packed_logits
+    assert isinstance(head, GGUFLinear) and type(head.dense) is PackedLinear  # the LM head keeps fp32
+    x = torch.randn(9, got.dense.in_features)
+    torch.testing.assert_close(got(x[:4]), want(x[:4]), atol=0, rtol=0)  # small steps: the same blocks kernel
+    weight = got.weight.dequantize()
+    expected = (x.bfloat16().float() @ weight.bfloat16().float().T)  # both operands rounded, fp32 sums
+    torch.testing.assert_close(got(x), expected, atol=2e-2, rtol=1e-2)
+    assert (got(x) - want(x)).abs().max() > 0  # really rounded: not the fp32 product
+
+
+@native_bf16
+def test_bfloat16_prefill_leaves_steps_within_max_rows_bit_identical(quantized_dir):
+    """Only steps past gguf_max_rows change: a short prompt alone decodes exactly as in fp32, and prefill-heavy
+    batches still generate every token (a random model's near-ties make their tokens no yardstick: the quality
+    on SmolLM2 is benchmarks/kv_cache_quality.py --prefill-dtypes bfloat16)."""
+    fp32, bf16 = (LLM(str(quantized_dir), gguf_max_rows=4, num_kv_blocks=256, cpu_prefill_dtype=d)
+                  for d in ("float32", "bfloat16"))
+    short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert bf16.generate([[11, 12, 13]], short)[0].token_ids == fp32.generate([[11, 12, 13]], short)[0].token_ids
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in NUM_TOKENS]
+    assert [len(r.token_ids) for r in bf16.generate(PROMPTS, params)] == NUM_TOKENS
+
+
+def test_bfloat16_prefill_needs_gguf_blocks_and_a_known_dtype(tiny_model_dir, quantized_dir):
+    with pytest.raises(ValueError, match="cpu_prefill_dtype"):
+        LLM(str(quantized_dir), cpu_prefill_dtype="float16")
+    if torch.bfloat16 in packable_dtypes():
+        with pytest.raises(ValueError, match="reads no GGUF blocks"):
+            LLM(str(tiny_model_dir), num_kv_blocks=64, cpu_prefill_dtype="bfloat16")
+    else:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            LLM(str(quantized_dir), num_kv_blocks=64, cpu_prefill_dtype="bfloat16")
+
+
+def test_bfloat16_prefill_moves_the_default_threshold_to_its_crossover():
+    assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) == BFLOAT16_PREFILL_MAX_ROWS
+    assert default_gguf_max_rows(EngineConfig()) == gguf.default_max_rows()
+    assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) < gguf.default_max_rows()
