@@ -32,14 +32,14 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def make_engine(model: str, split: bool):  # noqa: ANN201 - LLMEngine, imported lazily (torch)
+def make_engine(model: str, split: bool, cpu_prefill_dtype: str = "float32"):  # noqa: ANN201 - LLMEngine (torch)
     from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from conveyor.serving.engine import LLMEngine
 
     # No latency targets: the budget is exactly what each cell sets.
     scheduler = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=128, tpot_slo_ms=None, ttft_slo_ms=None)
     return LLMEngine(EngineConfig(model=ModelConfig(model=model), cache=CacheConfig(num_blocks=4096),
-                                  scheduler=scheduler, split_mixed_steps=split))
+                                  scheduler=scheduler, split_mixed_steps=split, cpu_prefill_dtype=cpu_prefill_dtype))
 
 
 def _set_budget(scheduler, num_tokens: int) -> None:  # noqa: ANN001 - Scheduler
@@ -88,12 +88,13 @@ def main() -> None:
     parser.add_argument("--prefill", default=DEFAULT_PREFILL, help="C values, comma-separated")
     parser.add_argument("--repeat", type=int, default=7, help="steps timed per cell (the median is kept)")
     parser.add_argument("--split", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--cpu-prefill-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/step_table.json"), help="(git-ignored)")
     args = parser.parse_args()
     decodes = [int(x) for x in args.decodes.split(",")]
     prefill = [int(x) for x in args.prefill.split(",")]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.split]
-    engines = {split: make_engine(args.model, split) for split in modes}
+    engines = {split: make_engine(args.model, split, args.cpu_prefill_dtype) for split in modes}
     tables = {split: [[0.0] * len(prefill) for _ in decodes] for split in modes}
     for i, b in enumerate(decodes):
         for j, c in enumerate(prefill):
@@ -102,7 +103,8 @@ def main() -> None:
             print(f"B={b:3d} C={c:4d} " + "  ".join(f"split={'on' if s else 'off'} {tables[s][i][j]:7.1f} ms"
                                                  for s in modes), flush=True)
     result = {"cpu": cpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-              "model": args.model, "decode_knots": decodes, "prefill_knots": prefill,
+              "model": args.model, "cpu_prefill_dtype": args.cpu_prefill_dtype, "decode_knots": decodes,
+              "prefill_knots": prefill,
               "step_ms": tables[modes[0]], "step_ms_by_split": {str(s): tables[s] for s in modes}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
