@@ -147,3 +147,12 @@ def test_bfloat16_prefill_moves_the_default_threshold_to_its_crossover():
     assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) == BFLOAT16_PREFILL_MAX_ROWS
     assert default_gguf_max_rows(EngineConfig()) == gguf.default_max_rows()
     assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) < gguf.default_max_rows()
+
+
+@native_bf16
+def test_a_bfloat16_packed_linear_rounds_its_operands_and_adds_the_bias_in_fp32():
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(2, 5, 64)
+    got = Bfloat16PackedLinear(weight, bias)(x)
+    assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
+    expected = x.bfloat16().float() @ weight.bfloat16().float().T + bias
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
