@@ -3,7 +3,8 @@
 The fp32 model a GGUF converts to is exactly the dequantized blocks. For a step of a few tokens the engine reads
 the blocks instead (conveyor/kernels/gguf.py): the same weights in ~5 bits (Q4_1) or 8.5 (Q8_0) rather than 32, so a
 batch-1 decode step, whose time is the bytes it reads, gets several times cheaper and computes the same thing up to
-summation order. Larger steps are compute-bound and keep the fp32 (oneDNN-packed) path.
+summation order. Larger steps are compute-bound and keep the fp32 (oneDNN-packed) path, or a bf16 one
+(`cpu_prefill_dtype`, multiply_prefills_in_bfloat16).
 
 Conversion writes the blocks next to the fp32 checkpoint (`gguf/blocks.safetensors`: uint8 [N, K/32 * block
 bytes] under the HF parameter name, the ggml type in the metadata), with llama.cpp's q/k row permutation undone
@@ -106,7 +107,8 @@ def load_blocks(model_dir: Path) -> dict[str, tuple[Tensor, int]] | None:
 
 
 class GGUFLinear(nn.Module):
-    """Steps of at most max_rows rows multiply by the GGUF blocks; larger ones call `dense` (the fp32 layer)."""
+    """Steps of at most max_rows rows multiply by the GGUF blocks; larger ones call `dense` (the packed fp32 layer, or
+    a Bfloat16PackedLinear)."""
 
     def __init__(self, blocks: Tensor, ggml_type: int, dense: nn.Module, bias: Tensor | None, max_rows: int) -> None:
         super().__init__()
