@@ -276,10 +276,8 @@ class ProcessEngine(StreamingClient):
         return DeviceFaultError(f"engine process stopped on a GPU device-side fault: {self._device_fault}")
 
     def _dispatch(self, message: object) -> None:
-        if isinstance(message, msg.Step):
-            self._on_steps([message])
-        elif isinstance(message, msg.StepBatch):
-            self._on_steps(message.steps)
+        if (steps := _steps_in(message)) is not None:
+            self._on_steps(steps)
         elif isinstance(message, msg.LoadReport):
             self._set_load(message.load)
         elif isinstance(message, msg.Reject):
@@ -318,8 +316,7 @@ class ProcessEngine(StreamingClient):
     def _fail_requests_of(self, message: object) -> None:
         """After a failure handling `message`: the requests it carried end with an error; others go on."""
         exc = RuntimeError("engine client failed on this request's output")
-        if isinstance(message, msg.Step | msg.StepBatch):
-            steps = message.steps if isinstance(message, msg.StepBatch) else [message]
+        if (steps := _steps_in(message)) is not None:
             ids = {rid for step in steps for rid in step.outputs.request_ids}
         else:
             ids = {rid} if (rid := getattr(message, "request_id", None)) is not None else set()
@@ -343,3 +340,10 @@ def _rejection(reject: msg.Reject) -> Exception:
     if reject.kind in REFUSAL_REASONS:
         return QueueFullError(reject.message, reject.retry_after_s, reject.kind)
     return ValueError(reject.message) if reject.kind == "invalid_request" else RuntimeError(reject.message)
+
+
+def _steps_in(message: object) -> list[msg.Step] | None:
+    """The steps a message from the engine process carries (a Step, or a StepBatch of them); None for any other."""
+    if isinstance(message, msg.Step):
+        return [message]
+    return message.steps if isinstance(message, msg.StepBatch) else None
