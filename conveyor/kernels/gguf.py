@@ -109,12 +109,28 @@ def prepare(weight: torch.Tensor, ggml_type: int, in_features: int) -> GGUFWeigh
 ROWS_KERNEL_MAX_ROWS = {Q4_1: 3, Q8_0: 6}
 
 
-def gguf_linear(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
-    """x float32 [..., K] @ W^T -> float32 [..., out_features]; bias is the caller's.
+# With bf16 products allowed (cpu_prefill_dtype bfloat16), steps of at least this many rows take the bf16 kernel
+# (gguf_bf16_cpu.cpp), which reads the same quants: SmolLM2's 120 layer linears on a 2-core Zen 4, fp32 / bf16 kernel
+# / oneDNN packed bf16, ms: 4 rows 8.4 / 9.3 / 15.2, 8 rows 12.2 / 11.2 / 17.2, 16 rows 23.7 / 18.5 / 23.3, 32 rows
+# 40.7 / 26.8 / 34.3, 64 rows 82.2 / 50.0 / 52.8 (benchmarks/RESULTS.md, "Defaults and the measurements behind them").
+BF16_MIN_ROWS = 8
+
+
+def has_bf16_kernel() -> bool:
+    """Whether the bf16-product kernel is built here: it needs AVX512-BF16."""
+    return cpu_ext.has_op("gguf_linear_bf16")
+
+
+def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None = None) -> torch.Tensor:
+    """x float32 [..., K] @ W^T -> float32 [..., out_features]; bias is the caller's. bf16_min_rows: steps of at
+    least that many rows round weights and activations to bf16 (has_bf16_kernel() must hold); None: never.
     The ops must be registered: check is_available() first (it loads the extension)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] <= ROWS_KERNEL_MAX_ROWS[weight.ggml_type]:
         out = torch.ops.conveyor_cpu.gguf_linear_rows(flat, weight.blocks, weight.ggml_type, weight.out_features)
+    elif bf16_min_rows is not None and flat.shape[0] >= bf16_min_rows:
+        out = torch.ops.conveyor_cpu.gguf_linear_bf16(flat, weight.q, weight.scales, weight.ggml_type,
+                                                      weight.out_features)
     else:
         out = torch.ops.conveyor_cpu.gguf_linear(flat, weight.q, weight.scales, weight.ggml_type, weight.out_features)
     return out.view(*x.shape[:-1], weight.out_features)

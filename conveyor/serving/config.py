@@ -163,14 +163,14 @@ class EngineConfig:
     # The same weights in 5-8.5 bits rather than 32 (models/gguf_weights.py).
     gguf_max_rows: int | None = setting(
         None, "CPU float32, model from a GGUF: steps of at most this many tokens multiply by the file's quantized "
-        "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8; 12 with "
-        "cpu_prefill_dtype bfloat16)")
+        "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8; with "
+        "cpu_prefill_dtype bfloat16 64 where AVX512-BF16 gives the blocks a bf16 kernel, else 12)")
     # Prefill is most of a CPU server's work; oneDNN's packed bf16 GEMM runs it at ~1.8x fp32's where bf16 is native.
     cpu_prefill_dtype: str = setting(
         "float32", "CPU, model from a GGUF: the element type the decoder layers' linears multiply in for steps "
-        "past gguf_max_rows (prefill chunks, large decode batches); bfloat16 needs AVX512-BF16 or AMX, ~1.8x "
-        "the float32 rate, and rounds those matmuls' inputs and weights to bf16, so greedy outputs may differ "
-        "from float32's",
+        "past gguf_max_rows (prefill chunks, large decode batches), and with AVX512-BF16 the blocks' steps of "
+        "8 rows or more too; bfloat16 needs AVX512-BF16 or AMX, ~1.8x the float32 rate, and rounds those "
+        "matmuls' inputs and weights to bf16, so greedy outputs may differ from float32's",
         choices=CPU_PREFILL_DTYPES)
     # The CPU's CUDA graph: ~10 Python-driven kernel calls per layer become one C++ call, bit-identical.
     cpu_decode_stack: bool = setting(

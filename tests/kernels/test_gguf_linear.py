@@ -117,3 +117,37 @@ def test_both_kernels_compute_the_same_linear(ggml_type: int) -> None:
         groups = torch.ops.conveyor_cpu.gguf_linear(x, weight.q, weight.scales, ggml_type, 72)
         torch.testing.assert_close(rows, x @ expected_w.T, atol=2e-4, rtol=1e-5)
         torch.testing.assert_close(groups, x @ expected_w.T, atol=2e-4, rtol=1e-5)
+
+
+bf16_kernel = pytest.mark.skipif(not gguf.has_bf16_kernel(), reason="no AVX512-BF16: no bf16 blocks kernel here")
+
+
+@bf16_kernel
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 7, 8, 12, 13, 25, 40])
+@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576), (40, 1536)], ids=str)
+def test_bf16_kernel_matches_the_matmul_of_rounded_operands(ggml_type: int, num_rows: int,
+                                                            shape: tuple[int, int]) -> None:
+    """Weights and activations rounded to bf16 (nearest even), products summed in fp32: the packed bf16 GEMM's
+    numbers, so only the summation order differs."""
+    out_features, in_features = shape
+    blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(2))
+    weight = gguf.dequantize(blocks, ggml_type, in_features)
+    expected = x.bfloat16().float() @ weight.bfloat16().float().T
+    out = gguf.gguf_linear(x, gguf.prepare(blocks, ggml_type, in_features), bf16_min_rows=1)
+    if num_rows > gguf.ROWS_KERNEL_MAX_ROWS[ggml_type]:  # the smallest steps keep the fp32 rows kernel
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+        if num_rows:
+            assert not torch.allclose(out, x @ weight.T, atol=1e-5, rtol=0)  # really rounded
+    else:
+        torch.testing.assert_close(out, x @ weight.T, atol=2e-4, rtol=1e-5)
+
+
+@bf16_kernel
+def test_bf16_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
+    prepared = gguf.prepare(random_blocks(40, 64, gguf.Q4_1), gguf.Q4_1, 64)
+    with pytest.raises(RuntimeError, match="expected"):
+        torch.ops.conveyor_cpu.gguf_linear_bf16(torch.randn(9, 96), prepared.q, prepared.scales, gguf.Q4_1, 40)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.conveyor_cpu.gguf_linear_bf16(torch.randn(9, 64), prepared.q, prepared.scales, 2, 40)

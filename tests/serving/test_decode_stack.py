@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.kernels import gguf
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.models.decode_stack import unavailable_reason
 from tests.cpu_ext_gate import require_cpu_ext
@@ -59,6 +60,20 @@ def test_decode_steps_equal_the_module_path(quantized_dir, engine_kwargs, monkey
         assert min(steps) <= 3 and max(steps) >= 4, steps
 
 
+@pytest.mark.skipif(not gguf.has_bf16_kernel(), reason="no AVX512-BF16: the blocks have no bf16 kernel here")
+def test_bfloat16_decode_steps_equal_the_module_path(quantized_dir, monkeypatch):
+    """cpu_prefill_dtype bfloat16: decode steps from gguf.BF16_MIN_ROWS rows take the bf16 blocks kernel, in the
+    stack as in the modules."""
+    llm = LLM(str(quantized_dir), gguf_max_rows=16, num_kv_blocks=256, cpu_prefill_dtype="bfloat16")
+    model = llm.engine.model
+    assert model.decode_stack.bf16_min_rows == gguf.BF16_MIN_ROWS
+    steps = check_against_the_module_path(model, monkeypatch)
+    prompts = [[5 + i, 17, 99 + i, 3] for i in range(gguf.BF16_MIN_ROWS + 2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [len(r.token_ids) for r in llm.generate(prompts, params)] == [6] * len(prompts)
+    assert max(steps) >= gguf.BF16_MIN_ROWS, steps
+
+
 def test_tokens_are_those_of_the_module_path(quantized_dir):
     params = [SamplingParams(max_tokens=n, temperature=0.8, seed=i) for i, n in enumerate(NUM_TOKENS)]
     with_stack = LLM(str(quantized_dir), gguf_max_rows=8, num_kv_blocks=256)
@@ -91,7 +106,7 @@ def test_the_op_rejects_inconsistent_layer_lists():
     empty = torch.zeros(0)
     with pytest.raises(RuntimeError, match="layers need 14 weights"):
         torch.ops.conveyor_cpu.decode_layers(x, [empty], [3, 3, 3, 3], [empty], [empty], empty, empty, empty,
-                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6)
+                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6, 0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -10,6 +10,7 @@ from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.models.cpu_packing import Bfloat16PackedLinear, PackedLinear, packable_dtypes
 from conveyor.serving.models.gguf_weights import (
+    BFLOAT16_BLOCKS_MAX_ROWS,
     BFLOAT16_PREFILL_MAX_ROWS,
     GGUFLinear,
     default_gguf_max_rows,
@@ -144,9 +145,24 @@ def test_bfloat16_prefill_needs_gguf_blocks_and_a_known_dtype(tiny_model_dir, qu
 
 
 def test_bfloat16_prefill_moves_the_default_threshold_to_its_crossover():
-    assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) == BFLOAT16_PREFILL_MAX_ROWS
+    crossover = BFLOAT16_BLOCKS_MAX_ROWS if gguf.has_bf16_kernel() else BFLOAT16_PREFILL_MAX_ROWS
+    assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) == crossover
     assert default_gguf_max_rows(EngineConfig()) == gguf.default_max_rows()
-    assert default_gguf_max_rows(EngineConfig(cpu_prefill_dtype="bfloat16")) < gguf.default_max_rows()
+
+
+@pytest.mark.skipif(not gguf.has_bf16_kernel(), reason="no AVX512-BF16: no bf16 blocks kernel here")
+def test_bfloat16_mode_multiplies_mid_sized_steps_over_the_blocks_in_bf16(quantized_dir):
+    """From gguf.BF16_MIN_ROWS rows up to max_rows every layer linear and the LM head take the bf16 blocks kernel:
+    the blocks' quants, bf16 products."""
+    bf16 = LLM(str(quantized_dir), gguf_max_rows=32, num_kv_blocks=64, cpu_prefill_dtype="bfloat16")
+    head = bf16.engine.model.lm_head or bf16.engine.model.packed_logits
+    for linear in (bf16.engine.model.model.layers[0].mlp.gate_up_proj, head):
+        assert linear.bf16_min_rows == gguf.BF16_MIN_ROWS
+        x = torch.randn(gguf.BF16_MIN_ROWS + 1, linear.weight.in_features)
+        weight = linear.weight.dequantize()
+        torch.testing.assert_close(linear(x), x.bfloat16().float() @ weight.bfloat16().float().T, atol=1e-4, rtol=1e-5)
+        small = x[:gguf.BF16_MIN_ROWS - 1]
+        torch.testing.assert_close(linear(small), gguf.gguf_linear(small, linear.weight), atol=0, rtol=0)
 
 
 @native_bf16

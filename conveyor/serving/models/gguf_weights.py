@@ -32,10 +32,12 @@ BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
 # packed fp32 GEMM is faster. The engine passes kernels.gguf.default_max_rows() (64 with AVX2 or AVX-512).
 DEFAULT_MAX_ROWS = 8
 
-# With cpu_prefill_dtype bfloat16 oneDNN's packed bf16 GEMM overtakes the blocks kernels between 8 and 16 rows
+# With cpu_prefill_dtype bfloat16 oneDNN's packed bf16 GEMM overtakes the fp32 blocks kernels between 8 and 16 rows
 # (SmolLM2's 120 linears, 2-core Zen 4: 11.6 / 14.8 ms at 8 rows, 21.0 / 18.3 at 16, 74.2 / 43.1 at 64), and
-# decode-only steps of 16 rows run as fast either way (32 rows: 604 / 508 output tok/s in bf16 / blocks).
+# decode-only steps of 16 rows run as fast either way (32 rows: 604 / 508 output tok/s in bf16 / blocks). Where the
+# blocks have a bf16 kernel too (AVX512-BF16, kernels/gguf.py), that one stays ahead up to 64 rows.
 BFLOAT16_PREFILL_MAX_ROWS = 12
+BFLOAT16_BLOCKS_MAX_ROWS = 64
 
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -117,6 +119,7 @@ class GGUFLinear(nn.Module):
         self.dense = dense
         self.bias = bias
         self.max_rows = max_rows
+        self.bf16_min_rows: int | None = None  # steps from this many rows multiply the blocks in bf16 (gguf.py)
 
     @property
     def ggml_type(self) -> int:
@@ -129,27 +132,34 @@ class GGUFLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] > self.max_rows:
             return self.dense(x)
-        out = gguf.gguf_linear(x, self.weight)
+        out = gguf.gguf_linear(x, self.weight, self.bf16_min_rows)
         return out if self.bias is None else out + self.bias
 
 
 def default_gguf_max_rows(config: EngineConfig) -> int:
     """gguf_max_rows when unset: the blocks kernels' crossover against the packed weights the larger steps use."""
     if config.cpu_prefill_dtype == "bfloat16":
-        return BFLOAT16_PREFILL_MAX_ROWS
+        return BFLOAT16_BLOCKS_MAX_ROWS if gguf.has_bf16_kernel() else BFLOAT16_PREFILL_MAX_ROWS
     return gguf.default_max_rows()
 
 
 def multiply_prefills_in_bfloat16(model: nn.Module) -> int:
     """Give every GGUFLinear of the decoder layers a bf16 path for its large steps in place of the fp32 one (whose
-    packed weights are then freed), built from the blocks: they dequantize to the fp32 weights exactly. The LM
-    head keeps fp32: a step's logits rows are its sequences, rarely past max_rows. Returns how many."""
+    packed weights are then freed), built from the blocks: they dequantize to the fp32 weights exactly. Where the
+    blocks kernel has a bf16 variant, every GGUFLinear (the LM head's too) also takes it from gguf.BF16_MIN_ROWS
+    rows; smaller steps stay fp32. The LM head's large steps stay fp32: its rows are a step's sequences, rarely
+    past max_rows. Returns how many layer linears have a bf16 path."""
     count = 0
+    bf16_min_rows = gguf.BF16_MIN_ROWS if gguf.has_bf16_kernel() else None
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, GGUFLinear):
                 module.dense = Bfloat16PackedLinear(module.weight.dequantize(), module.bias)
+                module.bf16_min_rows = bf16_min_rows
                 count += 1
+    head = model.packed_logits if getattr(model, "packed_logits", None) is not None else model.lm_head
+    if isinstance(head, GGUFLinear) and bf16_min_rows is not None:
+        head.bf16_min_rows = bf16_min_rows
     return count
 
 

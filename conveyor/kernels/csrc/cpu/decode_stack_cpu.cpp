@@ -53,11 +53,19 @@ const Kernels& kernels() {
   return k;
 }
 
+// The bf16-product kernel, registered only where AVX512-BF16 is (gguf_bf16_cpu.cpp): looked up on first use.
+const c10::TypedOperatorHandle<LinearFn>& linear_bf16() {
+  static const auto handle = op<LinearFn>("conveyor_cpu::gguf_linear_bf16");
+  return handle;
+}
+
 // What conveyor/kernels/gguf.py's gguf_linear does: GGUF's rows of blocks for the smallest steps, the interleaved layout
-// for the rest (the same crossover, passed in).
-at::Tensor linear(const Kernels& k, const at::Tensor& x, const at::Tensor* w, int64_t type, int64_t max_rows_kernel) {
+// for the rest, in bf16 from bf16_min_rows (0: never); the same crossovers, passed in.
+at::Tensor linear(const Kernels& k, const at::Tensor& x, const at::Tensor* w, int64_t type, int64_t max_rows_kernel,
+                  int64_t bf16_min_rows) {
   const int64_t out_features = w[0].size(0);
   if (x.size(0) <= max_rows_kernel) return k.linear_rows.call(x, w[0], type, out_features);
+  if (bf16_min_rows > 0 && x.size(0) >= bf16_min_rows) return linear_bf16().call(x, w[1], w[2], type, out_features);
   return k.linear.call(x, w[1], w[2], type, out_features);
 }
 
@@ -65,7 +73,8 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
                          at::TensorList value_caches, const at::Tensor& final_norm, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, double scale, int64_t rows_max_q4_1, int64_t rows_max_q8_0) {
+                         double eps, double scale, int64_t rows_max_q4_1, int64_t rows_max_q8_0,
+                         int64_t bf16_min_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kTensorsPerLayer &&
                   static_cast<int64_t>(ggml_types.size()) == num_layers * kLinearsPerLayer &&
@@ -90,7 +99,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
     } else {
       k.add_rms_norm.call(x, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(k, x, w + 2, types[0], max_rows(types[0]));
+    const at::Tensor qkv = linear(k, x, w + 2, types[0], max_rows(types[0]), bf16_min_rows);
     k.rope.call(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -98,10 +107,10 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
     const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({tokens, num_heads, head_dim}).contiguous();
     at::Tensor attn = at::empty_like(query);
     k.decode.call(attn, query, key_caches[layer], value_caches[layer], block_tables, seq_lens, scale, 0, 0.0);
-    x = linear(k, attn.view({tokens, q_size}), w + 5, types[1], max_rows(types[1]));
+    x = linear(k, attn.view({tokens, q_size}), w + 5, types[1], max_rows(types[1]), bf16_min_rows);
     k.add_rms_norm.call(x, residual, w[1], eps);
-    const at::Tensor act = k.silu_and_mul.call(linear(k, x, w + 8, types[2], max_rows(types[2])));
-    x = linear(k, act, w + 11, types[3], max_rows(types[3]));
+    const at::Tensor act = k.silu_and_mul.call(linear(k, x, w + 8, types[2], max_rows(types[2]), bf16_min_rows));
+    x = linear(k, act, w + 11, types[3], max_rows(types[3]), bf16_min_rows);
   }
   k.add_rms_norm.call(x, residual, final_norm, eps);
   return x;
@@ -113,7 +122,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] weights, int[] ggml_types, Tensor[] key_caches, Tensor[] value_caches, "
         "Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int rows_max_q4_1, "
-        "int rows_max_q8_0) -> Tensor");
+        "int rows_max_q8_0, int bf16_min_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {

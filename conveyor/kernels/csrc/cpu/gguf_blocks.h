@@ -1,4 +1,4 @@
-// What the two GGUF-block linears share (gguf_rows_cpu.cpp, gguf_linear_cpu.cpp): GGUF's block constants and the
+// What the GGUF-block linears share (gguf_rows_cpu.cpp, gguf_linear_cpu.cpp, gguf_bf16_cpu.cpp): GGUF's block constants and the
 // SIMD level they compile for. cpu_ext.py folds this header into the build flags, so an edit rebuilds them.
 #pragma once
 
@@ -20,5 +20,7 @@ constexpr int64_t kQ8_0Bytes = 34;
 // ggml's type ids, so the Python side can pass what the GGUF file says.
 constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
+// gguf_prepare's layout computes this many groups of SIMD-width output features per pass (a pass's features).
+constexpr int kPassGroups = 2;
 
 }  // namespace conveyor_gguf

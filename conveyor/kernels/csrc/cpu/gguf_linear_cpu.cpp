@@ -158,7 +158,7 @@ struct Simd {  // portable: the same loops over plain arrays, for builds without
 constexpr int kLanes = Simd::kLanes;
 // Feature groups one pass computes: each activation, broadcast once, feeds kGroups FMAs (one broadcast per FMA
 // ran at half the FMA rate on Zen 5).
-constexpr int kGroups = 2;
+constexpr int kGroups = kPassGroups;
 // Independent FMA chains per row and group: few rows need several to hide the FMA latency (a Q4_1 byte feeds
 // two dependent FMAs per chain). As many as the accumulator registers allow, of 4, 2 or 1.
 constexpr int chains(int rows) {
