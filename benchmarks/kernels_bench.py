@@ -8,7 +8,9 @@
     kv-dtype          decode attention over all 30 layers from DRAM with float32, bfloat16 and fp8 KV caches
                       (each layer its own cache, blocks in random order), interleaved in one run
     gguf-linear       a model's GGUF-block layer linears by step rows: GGUF's rows of blocks, the feature-interleaved
-                      copy and oneDNN's packed fp32 (cold weights: every layer's own, as a decode step reads them)
+                      copy and oneDNN's packed fp32 (cold weights: every layer's own, as a decode step reads them);
+                      where bf16 is native also the interleaved copy with bf16 products and oneDNN's packed bf16
+                      (cpu_prefill_dtype bfloat16's two paths)
 
 Shapes are SmolLM2-135M's (9 query heads : 3 KV heads, head_dim 64, block 16, float32) unless an option says
 otherwise. Needs the C++ CPU extension (built at set-up). Run from the repository root:
@@ -144,36 +146,41 @@ def kv_dtype(args: argparse.Namespace) -> None:
 
 def gguf_linear(args: argparse.Namespace) -> None:
     from conveyor.kernels import gguf
-    from conveyor.serving.models.cpu_packing import PackedLinear
+    from conveyor.serving.models.cpu_packing import Bfloat16PackedLinear, PackedLinear, packable_dtypes
     from tests.tiny_model import quantize
 
     if not gguf.is_available():
         sys.exit("the CPU extension did not build")
     ggml_type = {"Q4_1": gguf.Q4_1, "Q8_0": gguf.Q8_0}[args.type]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    bf16 = gguf.has_bf16_kernel() and torch.bfloat16 in packable_dtypes()
     weights = []
     for _ in range(args.layers):
         for out_features, in_features in shapes:
             dense = torch.randn(out_features, in_features)
-            weights.append((gguf.prepare(quantize(dense, ggml_type), ggml_type, in_features),
-                            PackedLinear(dense, None)))
+            packed = {"fp32": PackedLinear(dense, None)} | ({"bf16": Bfloat16PackedLinear(dense, None)} if bf16 else {})
+            weights.append((gguf.prepare(quantize(dense, ggml_type), ggml_type, in_features), packed))
     flop_per_row = sum(2 * w.out_features * w.in_features for w, _ in weights)
-    print(f"{args.type}, {len(weights)} linears, {torch.get_num_threads()} threads; ms per pass over all of them")
-    print("| rows | GGUF rows | interleaved | packed fp32 | best GFLOP/s |\n|---|---|---|---|---|")
     kernels = {
-        "rows": lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear_rows(x, w.blocks, w.ggml_type, w.out_features),
+        "GGUF rows": lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear_rows(x, w.blocks, w.ggml_type, w.out_features),
         "interleaved": lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear(x, w.q, w.scales, w.ggml_type,
                                                                      w.out_features),
-        "packed": lambda w, x, dense: dense(x),
+        "packed fp32": lambda w, x, dense: dense["fp32"](x),
     }
+    if bf16:
+        kernels["interleaved bf16"] = lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear_bf16(
+            x, w.q, w.scales, w.ggml_type, w.out_features)
+        kernels["packed bf16"] = lambda w, x, dense: dense["bf16"](x)
+    print(f"{args.type}, {len(weights)} linears, {torch.get_num_threads()} threads; ms per pass over all of them")
+    print("| rows | " + " | ".join(kernels) + " | best GFLOP/s |\n|" + "---|" * (len(kernels) + 2))
     for num_rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(num_rows, k) for k in {w.in_features for w, _ in weights}}
         times = {name: median_ms(lambda k=kernel, xs=xs: [k(w, xs[w.in_features], d) for w, d in weights],
                                  min_reps=args.repeats)
                  for name, kernel in kernels.items()}
         best = min(times.values())
-        print(f"| {num_rows} | {times['rows']:.2f} | {times['interleaved']:.2f} | {times['packed']:.2f} | "
-              f"{num_rows * flop_per_row / best / 1e6:.0f} |")
+        print(f"| {num_rows} | " + " | ".join(f"{t:.2f}" for t in times.values())
+              + f" | {num_rows * flop_per_row / best / 1e6:.0f} |")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's default: 16)")
     p.set_defaults(fn=kv_dtype)
 
-    p = sub.add_parser("gguf-linear", help="GGUF layer linears by rows: GGUF rows, interleaved, packed fp32")
+    p = sub.add_parser("gguf-linear", help="GGUF layer linears by rows: GGUF rows, interleaved, packed (fp32, bf16)")
     p.add_argument("--type", default="Q4_1", choices=["Q4_1", "Q8_0"])
     p.add_argument("--shapes", default=SMOLLM2_LINEARS, help="OUTxIN per linear of one layer")
     p.add_argument("--layers", type=int, default=LAYERS)

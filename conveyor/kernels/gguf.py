@@ -111,8 +111,8 @@ ROWS_KERNEL_MAX_ROWS = {Q4_1: 3, Q8_0: 6}
 
 # With bf16 products allowed (cpu_prefill_dtype bfloat16), steps of at least this many rows take the bf16 kernel
 # (gguf_bf16_cpu.cpp), which reads the same quants: SmolLM2's 120 layer linears on a 2-core Zen 4, fp32 / bf16 kernel
-# / oneDNN packed bf16, ms: 4 rows 8.4 / 9.3 / 15.2, 8 rows 12.2 / 11.2 / 17.2, 16 rows 23.7 / 18.5 / 23.3, 32 rows
-# 40.7 / 26.8 / 34.3, 64 rows 82.2 / 50.0 / 52.8 (benchmarks/RESULTS.md, "Defaults and the measurements behind them").
+# / oneDNN packed bf16, ms: 4 rows 7.6 / 9.1 / 14.0, 8 rows 11.5 / 11.2 / 15.2, 16 rows 21.5 / 16.3 / 19.3, 32 rows
+# 39.3 / 24.3 / 28.2, 64 rows 77.5 / 41.1 / 45.0 (benchmarks/RESULTS.md, "Defaults and the measurements behind them").
 BF16_MIN_ROWS = 8
 
 
