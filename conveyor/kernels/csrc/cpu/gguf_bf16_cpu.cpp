@@ -60,7 +60,7 @@ void pair_activations(const float* x, int64_t num_rows, int64_t in_features, uin
 template <int64_t Type>
 void expand_pass(const uint8_t* q, const c10::Half* scales, int64_t group_q, int64_t group_scales,
                  int64_t num_blocks, uint32_t* w) {
-  constexpr int64_t kQuantRows = Type == kTypeQ4_1 ? kBlock / 2 : kBlock;
+  constexpr int64_t kQuantRows = quant_rows_per_block(Type);
   for (int64_t b = 0; b < num_blocks; ++b) {
     for (int g = 0; g < kGroups; ++g) {
       const c10::Half* s = scales + g * group_scales + b * 2 * kLanes;
@@ -119,7 +119,7 @@ template <int64_t Type>
 void linear_passes(const uint8_t* q, const c10::Half* scales, int64_t in_features, const uint32_t* x,
                    int64_t num_rows, float* out, int64_t out_features, int64_t p_begin, int64_t p_end) {
   const int64_t num_blocks = in_features / kBlock, num_pairs = in_features / 2;
-  const int64_t group_q = num_blocks * (Type == kTypeQ4_1 ? kBlock / 2 : kBlock) * kLanes;
+  const int64_t group_q = num_blocks * quant_rows_per_block(Type) * kLanes;
   const int64_t group_scales = num_blocks * 2 * kLanes;
   thread_local std::vector<uint32_t> w;
   w.resize(num_pairs * kPassFeatures);
@@ -149,7 +149,7 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& q, const at::
   const int64_t in_features = x.size(1), num_blocks = in_features / kBlock;
   TORCH_CHECK(in_features % kBlock == 0, "gguf_linear_bf16: K must be a multiple of 32, got ", in_features);
   const int64_t num_passes = (out_features + kPassFeatures - 1) / kPassFeatures;
-  const int64_t quant_rows = num_blocks * (ggml_type == kTypeQ4_1 ? kBlock / 2 : kBlock);
+  const int64_t quant_rows = num_blocks * quant_rows_per_block(ggml_type);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 3 &&
                   q.size(0) == num_passes * kGroups && q.size(1) == quant_rows && q.size(2) == kLanes,
               "gguf_linear_bf16: q is ", q.sizes(), ", expected [", num_passes * kGroups, ", ", quant_rows, ", ",

@@ -1,5 +1,6 @@
-// What the GGUF-block linears share (gguf_rows_cpu.cpp, gguf_linear_cpu.cpp, gguf_bf16_cpu.cpp): GGUF's block constants and the
-// SIMD level they compile for. cpu_ext.py folds this header into the build flags, so an edit rebuilds them.
+// What the GGUF-block linears share (gguf_rows_cpu.cpp, gguf_linear_cpu.cpp, gguf_bf16_cpu.cpp): GGUF's block
+// constants, gguf_prepare's layout constants and the SIMD level they compile for. cpu_ext.py folds this header
+// into the build flags, so an edit rebuilds them.
 #pragma once
 
 #include <cstdint>
@@ -22,5 +23,8 @@ constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
 // gguf_prepare's layout computes this many groups of SIMD-width output features per pass (a pass's features).
 constexpr int kPassGroups = 2;
+// Quant bytes per input and feature lane in gguf_prepare's layout: Q4_1 keeps GGUF's nibble pairs (inputs j and
+// 16 + j of a block in one byte), Q8_0 one int8.
+constexpr int64_t quant_rows_per_block(int64_t type) { return type == kTypeQ4_1 ? kBlock / 2 : kBlock; }
 
 }  // namespace conveyor_gguf

@@ -164,9 +164,6 @@ constexpr int kGroups = kPassGroups;
 constexpr int chains(int rows) {
   return rows * kGroups * 4 <= Simd::kAccumulators ? 4 : rows * kGroups * 2 <= Simd::kAccumulators ? 2 : 1;
 }
-// Quant bytes per input and feature lane: Q4_1 keeps GGUF's nibble pairs (inputs j and 16 + j of a block in one
-// byte), Q8_0 one int8.
-constexpr int64_t quant_rows_per_block(int64_t type) { return type == kTypeQ4_1 ? kBlock / 2 : kBlock; }
 
 using V = Simd::V;
 
