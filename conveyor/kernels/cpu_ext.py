@@ -8,16 +8,21 @@ compiler and ninja: the `ninja` PyPI package provides one when the system has no
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 import shutil
 import sys
 import sysconfig
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
@@ -84,6 +89,27 @@ def _flags() -> list[str]:
     return flags
 
 
+@contextlib.contextmanager
+def build_lock(directory: pathlib.Path) -> Iterator[None]:
+    """Held around torch's build and load. torch's own lock (cpp_extension's FileBaton, `lock` in the build
+    folder) is a file that only its holder deletes: a build killed midway (Ctrl-C while the first replica
+    compiles, a replica replaced during its start) leaves it behind, and every later process then waits on it
+    forever, even for a finished build. This lock is an flock, which the kernel releases when its holder dies,
+    and every process that builds here takes it first: so a baton its holder finds is stale, and goes."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone, as before
+        yield
+        return
+    with open(directory / "build.flock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        baton = directory / "lock"
+        if baton.exists():
+            logger.warning("removing %s, left by a build that was killed midway", baton)
+            baton.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def _build() -> ModuleType | str:
     """The built module, or why it could not be built (cached too: a failed build is not retried per call)."""
@@ -97,14 +123,15 @@ def _build() -> ModuleType | str:
     try:
         # -fopenmp makes at::parallel_for's OpenMP region real; the loader resolves libgomp to the copy torch
         # already loaded, so the kernel runs on torch's own thread pool.
-        return cpp_extension.load(
-            name="conveyor_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=os.environ.get("CONVEYOR_CPU_VERBOSE") == "1",
-        )
+        with build_lock(directory):
+            return cpp_extension.load(
+                name="conveyor_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=os.environ.get("CONVEYOR_CPU_VERBOSE") == "1",
+            )
     except (RuntimeError, OSError, ImportError) as exc:  # compiler errors surface as RuntimeError
         return f"Error building extension: {exc}"
 

@@ -51,15 +51,18 @@ def load() -> ModuleType:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name="conveyor_cuda_kernels",
-        sources=[str(s) for s in SOURCES],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
-        build_directory=str(directory),
-        verbose=os.environ.get("CONVEYOR_CUDA_VERBOSE") == "1",
-    )
+    from conveyor.kernels.cpu_ext import build_lock
+
+    with build_lock(directory):  # a build killed midway must not hang every later start (cpu_ext.build_lock)
+        return cpp_extension.load(
+            name="conveyor_cuda_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+            build_directory=str(directory),
+            verbose=os.environ.get("CONVEYOR_CUDA_VERBOSE") == "1",
+        )
 
 
 def is_available() -> bool:
