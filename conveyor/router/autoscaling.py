@@ -196,16 +196,14 @@ def _max_or_none(values: Any) -> float | None:
 
 
 class _FleetReporter:
-    """Sends (current, target) replica counts to the metrics registry actor so the ingress can export them.
-
-    Fire-and-forget, and only on change or every few seconds: this runs inside the ServeController's
-    control loop, which must never wait on another actor."""
+    """Writes (current, target) replica counts to the GCS key-value store (metrics_registry.py) so the ingress can
+    export them. Only on change or every few seconds: this runs inside the ServeController's control loop, and a
+    put is a blocking round trip to the GCS (the controller checkpoints its own state there the same way)."""
 
     def __init__(self, every_s: float = 2.0) -> None:
         self.every_s = every_s
         self._last: tuple[int, int] | None = None
         self._sent_at = 0.0
-        self._registry: Any = None
         self._failed = False
 
     def report(self, app: str, current: int, target: int, desired: int) -> None:
@@ -214,11 +212,9 @@ class _FleetReporter:
         if self._failed or (key == self._last and now - self._sent_at < self.every_s):
             return
         try:
-            if self._registry is None:
-                from conveyor.router.metrics_registry import get_registry
+            from conveyor.router.metrics_registry import report_fleet
 
-                self._registry = get_registry()
-            self._registry.report_fleet.remote(app, current, target, desired)
+            report_fleet(app, current, target, desired)  # one GCS put, only when the counts change or every every_s
             self._last, self._sent_at = key, now
         except Exception:  # noqa: BLE001 - metrics must never break scaling
             logger.warning("conveyor autoscaler: cannot report replica counts", exc_info=True)

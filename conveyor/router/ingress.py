@@ -83,10 +83,9 @@ class Ingress:
         self.settings = settings
         # Metrics: this process' registry on its own port, plus the fleet's replica-count gauges; the list of
         # every replica's endpoint is served below for Prometheus service discovery.
-        from conveyor.router.metrics_registry import FleetGauges, get_registry, start_replica_endpoint
+        from conveyor.router.metrics_registry import FleetGauges, start_replica_endpoint
 
         self._app_name = serve.get_replica_context().app_name
-        self._metrics_registry = get_registry()
         self._metrics_endpoint = start_replica_endpoint("ingress", settings.model_name)
         self._fleet_gauges = FleetGauges(settings.model_name, self._app_name)
         from conveyor.router.errors import count_rejections_with
@@ -131,7 +130,9 @@ class Ingress:
     @app.get("/metrics/targets")
     async def metrics_targets(self) -> JSONResponse:
         """Prometheus HTTP service discovery: every live replica's metrics endpoint (metrics_registry.py)."""
-        return JSONResponse(await self._metrics_registry.targets.remote(self._app_name))
+        from conveyor.router.metrics_registry import live_targets
+
+        return JSONResponse(await asyncio.to_thread(live_targets, self._app_name))  # GCS calls block
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:

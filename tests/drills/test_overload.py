@@ -131,9 +131,9 @@ def watch_queue(stop: threading.Event, peaks: dict[str, int]) -> None:
 
 def engine_step_totals() -> tuple[float, float]:
     """(seconds, steps) the engine has stepped so far, from its Prometheus endpoint."""
-    from conveyor.router.metrics_registry import get_registry
+    from conveyor.router.metrics_registry import live_targets
 
-    targets = ray.get(get_registry().targets.remote(APP))
+    targets = live_targets(APP)
     address = next(t["targets"][0] for t in targets if t["labels"].get("conveyor_role") == "engine")
     totals = {"sum": 0.0, "count": 0.0}
     for line in httpx.get(f"http://{address}/metrics", timeout=10).text.splitlines():
