@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,27 +199,33 @@ def _max_or_none(values: Any) -> float | None:
 class _FleetReporter:
     """Writes (current, target) replica counts to the GCS key-value store (metrics_registry.py) so the ingress can
     export them. Only on change or every few seconds: this runs inside the ServeController's control loop, and a
-    put is a blocking round trip to the GCS (the controller checkpoints its own state there the same way)."""
+    put is a blocking round trip to the GCS (the controller checkpoints its own state there the same way). After a
+    failure (the GCS restarting) it pauses for retry_after_s rather than holding up every control-loop tick."""
 
-    def __init__(self, every_s: float = 2.0) -> None:
-        self.every_s = every_s
+    def __init__(self, every_s: float = 2.0, retry_after_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.retry_after_s, self.clock = every_s, retry_after_s, clock
         self._last: tuple[int, int] | None = None
         self._sent_at = 0.0
-        self._failed = False
+        self._failed_at: float | None = None
 
     def report(self, app: str, current: int, target: int, desired: int) -> None:
-        now = time.monotonic()
+        now = self.clock()
         key = (current, target)
-        if self._failed or (key == self._last and now - self._sent_at < self.every_s):
+        if self._failed_at is not None and now - self._failed_at < self.retry_after_s:
+            return
+        if key == self._last and now - self._sent_at < self.every_s:
             return
         try:
             from conveyor.router.metrics_registry import report_fleet
 
             report_fleet(app, current, target, desired)  # one GCS put, only when the counts change or every every_s
-            self._last, self._sent_at = key, now
+            self._last, self._sent_at, self._failed_at = key, now, None
         except Exception:  # noqa: BLE001 - metrics must never break scaling
-            logger.warning("conveyor autoscaler: cannot report replica counts", exc_info=True)
-            self._failed = True
+            if self._failed_at is None:  # one warning per outage, not one per retry
+                logger.warning("conveyor autoscaler: cannot report replica counts; retrying every %.0f s",
+                               self.retry_after_s, exc_info=True)
+            self._failed_at = now
 
 
 class AutoscalingArgs(BaseModel):

@@ -192,3 +192,31 @@ def test_with_serves_own_wrapper_delays_and_startup_lag(monkeypatch: pytest.Monk
     assert history[-1][1:] == (1, 1)  # back to min well within 40 s of idle
     scale_ins = [h for h, nxt in zip(history, history[1:], strict=False) if nxt[2] < h[2]]
     assert len(scale_ins) == 3  # 4 -> 3 -> 2 -> 1, one at a time
+
+
+def test_fleet_reports_pause_after_a_failure_and_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed put (the GCS restarting) pauses reporting for retry_after_s, then reporting resumes; before, the
+    first failure stopped it for the controller's lifetime."""
+    from conveyor.router import autoscaling, metrics_registry
+
+    sent, failing, now = [], [True], [100.0]
+
+    def report_fleet(app: str, current: int, target: int, desired: int) -> None:
+        if failing[0]:
+            raise ConnectionError("GCS unavailable")
+        sent.append((app, current, target))
+
+    monkeypatch.setattr(metrics_registry, "report_fleet", report_fleet)
+    reporter = autoscaling._FleetReporter(every_s=2.0, retry_after_s=30.0, clock=lambda: now[0])
+    reporter.report("app", 1, 2, 2)  # fails
+    failing[0] = False
+    now[0] += 10
+    reporter.report("app", 1, 2, 2)  # within the pause: not tried
+    assert sent == []
+    now[0] += 25
+    reporter.report("app", 1, 2, 2)
+    assert sent == [("app", 1, 2)]
+    now[0] += 1
+    reporter.report("app", 1, 2, 2)  # unchanged and within every_s: not sent again
+    reporter.report("app", 2, 2, 2)  # changed: sent at once
+    assert sent == [("app", 1, 2), ("app", 2, 2)]
