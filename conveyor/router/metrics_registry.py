@@ -132,10 +132,10 @@ def start_replica_endpoint(role: str, model: str) -> MetricsEndpoint | None:
 class FleetGauges:
     """In the ingress: refresh conveyor_replicas_{current,target} from the store every few seconds."""
 
-    def __init__(self, model: str, app: str, every_s: float = 2.0) -> None:
+    def __init__(self, model: str, app: str, every_s: float = 2.0, start: bool = True) -> None:
         self.model, self.app, self.every_s = model, app, every_s
-        self._thread = threading.Thread(target=self._run, name="conveyor-fleet-gauges", daemon=True)
-        self._thread.start()
+        if start:  # start=False: refresh() only when called (tests)
+            threading.Thread(target=self._run, name="conveyor-fleet-gauges", daemon=True).start()
 
     def refresh(self) -> None:
         from conveyor.serving.metrics import REPLICAS_CURRENT, REPLICAS_TARGET

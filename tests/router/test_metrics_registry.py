@@ -41,8 +41,7 @@ def test_fleet_counts_reach_the_replica_gauges(serve_cluster: str) -> None:
     model = "fleet-test-model"
     registry.register_target("engine/f1", "10.0.0.9:9009", _labels(APP, "f1"), lease_s=60)
     try:
-        gauges = registry.FleetGauges.__new__(registry.FleetGauges)  # refresh() alone, without its thread
-        gauges.model, gauges.app, gauges.every_s = model, APP, 2.0
+        gauges = registry.FleetGauges(model, APP, start=False)
         assert registry.read_fleet(APP) is None
         gauges.refresh()  # nobody reported: the fleet is what is registered
         assert _gauge("conveyor_replicas_current", model) == 1
