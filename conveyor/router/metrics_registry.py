@@ -32,6 +32,7 @@ TARGET_PREFIX = "metrics/target/"
 FLEET_PREFIX = "metrics/fleet/"
 LEASE_S = 15.0
 RENEW_EVERY_S = 3.0
+UNREGISTER_WAIT_S = 2.0  # how long close() waits for the lease's withdrawal
 
 
 def _kv() -> Any:
@@ -103,15 +104,23 @@ class MetricsEndpoint:
             self._renew()
 
     def close(self) -> None:
+        """Stop serving and withdraw the lease. The withdrawal is a GCS call, and close() runs from a replica's
+        __del__: with the GCS gone (the cluster stopping) that call would wait on Ray's reconnect timeout, so it
+        runs on a daemon thread given UNREGISTER_WAIT_S; if it does not finish, the lease lapses on its own."""
         if self._stop.is_set():
             return
         self._stop.set()
+        withdraw = threading.Thread(target=self._unregister, name="conveyor-metrics-unregister", daemon=True)
+        withdraw.start()
+        self._server.shutdown()
+        self._server.server_close()
+        withdraw.join(UNREGISTER_WAIT_S)
+
+    def _unregister(self) -> None:
         try:
             unregister_target(self.key)
         except Exception:  # noqa: BLE001 - at shutdown the GCS may be gone already; the lease expires
             pass
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def start_replica_endpoint(role: str, model: str) -> MetricsEndpoint | None:

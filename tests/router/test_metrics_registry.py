@@ -2,8 +2,11 @@
 per-application view Prometheus' service discovery reads, and the fleet counts the ingress turns into gauges."""
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
+import pytest
 from prometheus_client import REGISTRY
 
 from conveyor.router import metrics_registry as registry
@@ -63,3 +66,21 @@ def _stored_keys() -> set[str]:
 
 def _gauge(name: str, model: str) -> float | None:
     return REGISTRY.get_sample_value(name, {"model": model})
+
+
+def test_close_does_not_wait_on_an_unreachable_store(monkeypatch) -> None:
+    """close() runs from a replica's __del__: with the GCS gone the lease's withdrawal would block on Ray's
+    reconnect timeout. It gets UNREGISTER_WAIT_S on a thread of its own; the lease then lapses by itself."""
+    store_answers = threading.Event()
+    monkeypatch.setattr(registry, "register_target", lambda *args, **kwargs: None)
+    monkeypatch.setattr(registry, "unregister_target", lambda key: store_answers.wait(5))
+    monkeypatch.setattr(registry, "UNREGISTER_WAIT_S", 0.05, raising=False)
+    endpoint = registry.MetricsEndpoint("engine", {"replica": "r"}, host="127.0.0.1")
+    try:
+        endpoint.close()
+        withdrawing = [t for t in threading.enumerate() if t.name == "conveyor-metrics-unregister"]
+        assert withdrawing and withdrawing[0].is_alive()  # close() returned while the store still did not answer
+        with pytest.raises(OSError):  # and the /metrics server is down
+            socket.create_connection(("127.0.0.1", endpoint.port), timeout=1).close()
+    finally:
+        store_answers.set()
