@@ -4,6 +4,7 @@ puts the checkout root first wherever the script runs, which is how a root folde
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -98,31 +99,64 @@ def test_every_script_has_a_header(path: Path) -> None:
             f"{path.name}: its docstring shows no command line (python -m benchmarks.{path.stem} ...)")
 
 
-def _run_help(path: Path) -> subprocess.CompletedProcess[str] | None:
-    tree = _tree(path)
-    python = sys.executable
-    if _imports_vllm_at_top(tree):
-        if not VLLM_PYTHON.exists():
-            return None
-        python = str(VLLM_PYTHON)
-    args = [python, "-m", f"benchmarks.{path.stem}", "--help"]
+# Runs each named script as `python -m benchmarks.NAME --help` would (runpy as __main__, the checkout root first on
+# sys.path), all in one interpreter: most scripts import torch, ~2.5 s a process on two cores, so one process per
+# script made this module ~25 s of the suite. Prints the results as one JSON line after a marker.
+HELP_MARKER = "@@help-results@@"
+HELP_RUNNER = f"""
+import contextlib, io, json, runpy, sys
+names, results = sys.argv[1:], {{}}
+for name in names:
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [name, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("benchmarks." + name, run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException as exc:  # an import error: what a failed `python -m` would show
+            code = 1
+            err.write(repr(exc))
+    results[name] = {{"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}}
+sys.__stdout__.write("\\n{HELP_MARKER}" + json.dumps(results) + "\\n")
+"""
+
+
+def _run_helps(python: str, paths: list[Path]) -> dict[str, dict]:
+    """Every script's --help in one `python` process: {script file name: returncode, stdout, stderr}."""
+    if not paths:
+        return {}
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([python, "-c", HELP_RUNNER, *(p.stem for p in paths)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+    _, marker, payload = proc.stdout.rpartition(HELP_MARKER)
+    if not marker:  # the interpreter itself died: every script of the group fails with its output
+        failed = {"returncode": proc.returncode or 1, "stdout": proc.stdout, "stderr": proc.stderr}
+        return {p.name: failed for p in paths}
+    return {f"{name}.py": result for name, result in json.loads(payload.splitlines()[0]).items()}
 
 
 @pytest.fixture(scope="module")
-def help_results() -> dict[str, subprocess.CompletedProcess[str] | None]:
-    """Every script's --help, a few at a time: most import torch, which takes seconds each. Helpers (no __main__)
-    are left out: the scripts that use them import them on the way to --help."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip([p.name for p in MAIN_SCRIPTS], pool.map(_run_help, MAIN_SCRIPTS), strict=True))
+def help_results() -> dict[str, dict | None]:
+    """Every script's --help: those of Conveyor's venv in two processes (one a core), vLLM's in its venv. Helpers
+    (no __main__) are left out: the scripts that use them import them on the way to --help."""
+    ours = [p for p in MAIN_SCRIPTS if not _imports_vllm_at_top(_tree(p))]
+    theirs = [p for p in MAIN_SCRIPTS if _imports_vllm_at_top(_tree(p))]
+    jobs = [(sys.executable, ours[0::2]), (sys.executable, ours[1::2])]
+    if VLLM_PYTHON.exists():
+        jobs.append((str(VLLM_PYTHON), theirs))
+    results: dict[str, dict | None] = {p.name: None for p in theirs}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        for group in pool.map(lambda job: _run_helps(*job), jobs):
+            results.update(group)
+    return results
 
 
-@pytest.mark.slow  # ~30 s of subprocesses importing torch: out of `make test-fast`
+@pytest.mark.slow  # ~10 s of subprocesses importing torch: out of `make test-fast`
 @pytest.mark.parametrize("path", MAIN_SCRIPTS, ids=lambda p: p.name)
 def test_every_script_answers_help(path: Path, help_results: dict) -> None:
     result = help_results[path.name]
     if result is None:
         pytest.skip(f"{path.name} runs in vLLM's venv, and {VLLM_PYTHON} is missing (bash benchmarks/setup_vllm.sh)")
-    assert result.returncode == 0, f"{path.name}: exit {result.returncode}\n{result.stderr[-3000:]}"
-    assert "usage:" in result.stdout, f"{path.name} --help printed no usage:\n{result.stdout[-2000:]}"
+    assert result["returncode"] == 0, f"{path.name}: exit {result['returncode']}\n{result['stderr'][-3000:]}"
+    assert "usage:" in result["stdout"], f"{path.name} --help printed no usage:\n{result['stdout'][-2000:]}"
