@@ -8,8 +8,9 @@ then --num-prompts measured requests; the lognormal workload (prompts median 163
 48 / mean 68), greedy, ignore_eos, random token-id prompts drawn afresh for every rate point (the same ones for every
 target), so no point is served from an earlier point's prefix cache. Then the server is stopped by the pid of every
 process it started, and the next target starts. Per rate and target: attainment (requests meeting every --goodput
-SLO, over every request sent: a 429 misses; and over the admitted ones), goodput, refusals, TTFT/TPOT/ITL/E2E
-percentiles, output tok/s; capacity = the highest rate with >= 90% attainment (and every lower rate too).
+SLO, over every request sent: a 429 misses, with its 95% Wilson interval; and over the admitted ones), goodput,
+refusals, TTFT/TPOT/ITL/E2E percentiles, output tok/s; capacity = the highest rate with >= 90% attainment (and every
+lower rate too).
 
 Target `inproc`: the conveyor target's engine (its settings, --conveyor-args included) driven in this process
 (AsyncEngine: no HTTP, Ray or engine process) through the same points: the gap to `conveyor` is what the serving

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conveyor.bench.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize
+from conveyor.bench.metrics import RequestResult, meets_slo, parse_goodput, percentile, summarize, wilson_interval
 from conveyor.bench.report import attainment_capacity, capacity, goodput_table, ratio_table
 
 
@@ -73,6 +73,17 @@ def test_refused_requests_miss_the_slo_in_attainment_over_all_sent() -> None:
     assert "attainment" not in summarize(results, 4.0, 2.5)  # no SLO, no attainment
 
 
+def test_attainment_interval_is_wilsons() -> None:
+    low, high = wilson_interval(72, 80)  # 90% of 80 requests
+    assert (round(100 * low, 1), round(100 * high, 1)) == (81.5, 94.8)
+    assert wilson_interval(80, 80)[1] == 1.0 and wilson_interval(0, 80)[0] == 0.0  # clamped, never outside [0, 1]
+    assert wilson_interval(0, 80)[1] > 0.0  # 0 of 80 still leaves room above 0
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+    slo = {"ttft": 2000.0}
+    s = summarize([_result(0.1, [0.05]) for _ in range(3)] + [_result(3.0, [0.05])], 2.0, 2.0, slo)
+    assert s["attainment_ci95"] == pytest.approx(list(wilson_interval(3, 4)))
+
+
 def test_attainment_capacity_and_goodput_table() -> None:
     def row(rate: float, good: int, refused: int = 0) -> dict:
         r = summarize([], 1.0, rate, {"ttft": 2000.0})
@@ -83,7 +94,7 @@ def test_attainment_capacity_and_goodput_table() -> None:
     assert attainment_capacity(rows) == 3  # 18/20 = 90% passes; 4 fails, so 5's pass does not count
     assert attainment_capacity(rows, attainment=0.95) == 2
     table = goodput_table({"a": rows, "b": [row(2, 10), row(3, 20)]})
-    assert "| 3 | a | 90% | 100% | 1.80 | 2 |" in table
+    assert "| 3 | a | 90% (70-97) | 100% | 1.80 | 2 |" in table  # 18 of 20: a wide interval
     assert "a 3 req/s, b 0 req/s" in table
 
 

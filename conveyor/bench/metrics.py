@@ -86,10 +86,23 @@ def _share(count: int, total: int) -> float:
     return count / total if total else math.nan
 
 
+def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share (95% at z 1.96): how far an attainment measured on `total` requests
+    may sit from the server's true one. 80 requests at 90% give 81-95%, so two runs a few points apart may not
+    differ at all. (nan, nan) for no requests."""
+    if total <= 0:
+        return math.nan, math.nan
+    share, z2 = successes / total, z * z
+    center = (share + z2 / (2 * total)) / (1 + z2 / total)
+    half = z / (1 + z2 / total) * math.sqrt(share * (1 - share) / total + z2 / (4 * total * total))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def summarize(results: list[RequestResult], duration_s: float, offered_rate: float,
               goodput: dict[str, float] | None = None) -> dict:
     """One rate point. With goodput SLOs: good_requests, goodput (good req/s over duration_s), attainment (good
-    over every request sent: a refused request misses) and attainment_admitted (good over those not refused)."""
+    over every request sent: a refused request misses) with its 95% interval (attainment_ci95, Wilson), and
+    attainment_admitted (good over those not refused)."""
     done = [r for r in results if r.ok]
     refused = [r for r in results if r.status == HTTP_TOO_MANY_REQUESTS]
     itls = [g for r in done for g in r.itls]
@@ -112,6 +125,7 @@ def summarize(results: list[RequestResult], duration_s: float, offered_rate: flo
         summary["good_requests"] = good
         summary["goodput"] = _rate(good, duration_s)
         summary["attainment"] = _share(good, len(results))
+        summary["attainment_ci95"] = list(wilson_interval(good, len(results)))
         summary["attainment_admitted"] = _share(good, len(results) - len(refused))
     return summary
 

@@ -7,6 +7,7 @@ is drawn, so the benchmark itself runs without it and `conveyor bench` skips its
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,20 @@ def plot_itl_timeline(series: dict[str, tuple[list[float], list[float]]], path: 
 def plot_goodput(per_target: dict[str, list[dict]], path: Path, title: str, slo: dict[str, float],
                  attainment: float = 0.9) -> None:
     """per_target: name -> summaries with goodput figures. Left: SLO attainment (share of every request sent, a
-    refused one missing) against the offered rate, the `attainment` line drawn; right: goodput against the offered
-    rate, with goodput = offered rate (every request good) drawn."""
+    refused one missing, with its 95% interval) against the offered rate, the `attainment` line drawn; right:
+    goodput against the offered rate, with goodput = offered rate (every request good) drawn."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     rates = sorted({r["offered_rate"] for rows in per_target.values() for r in rows})
     for name, rows in per_target.items():
         rows = sorted(rows, key=lambda r: r["offered_rate"])
         xs = [r["offered_rate"] for r in rows]
-        left.plot(xs, [100 * r.get("attainment", float("nan")) for r in rows], marker="o", label=name)
+        shares = [100 * r.get("attainment", float("nan")) for r in rows]
+        # The 95% interval (Wilson) where the run recorded one: a few points apart can be the same server.
+        bounds = [[100 * b for b in r.get("attainment_ci95", (math.nan, math.nan))] for r in rows]
+        errors = [[max(s - lo, 0.0) for s, (lo, _) in zip(shares, bounds, strict=True)],
+                  [max(hi - s, 0.0) for s, (_, hi) in zip(shares, bounds, strict=True)]]
+        left.errorbar(xs, shares, yerr=errors, marker="o", capsize=3, label=name)
         right.plot(xs, [r.get("goodput", float("nan")) for r in rows], marker="o", label=name)
     left.axhline(100 * attainment, color="red", linestyle="--", linewidth=1,
                  label=f"{100 * attainment:g}% (capacity)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from conveyor.bench.metrics import wilson_interval
+
 
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.0f}"
@@ -22,10 +24,10 @@ def print_summary(name: str, s: dict) -> None:
 
 
 def goodput_table(per_target: dict[str, list[dict]]) -> str:
-    """Markdown, one row per (rate, target): SLO attainment over every request sent (a refused one misses) and
-    over the admitted ones, goodput, refusals, latency percentiles and output tok/s."""
-    lines = ["| rate | target | attainment | of admitted | goodput req/s | refused | TTFT p50/p90/p99 ms "
-             "| TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | out tok/s |",
+    """Markdown, one row per (rate, target): SLO attainment over every request sent (a refused one misses), with
+    its 95% interval, and over the admitted ones, goodput, refusals, latency percentiles and output tok/s."""
+    lines = ["| rate | target | attainment (95% interval) | of admitted | goodput req/s | refused "
+             "| TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | out tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     rates = sorted({r["offered_rate"] for rows in per_target.values() for r in rows})
     for rate in rates:
@@ -47,10 +49,21 @@ def goodput_row(name: str, r: dict) -> str:
         return "/".join(_ms(r[key][q]) for q in qs)
 
     good = f"{r['goodput']:.2f}" if "goodput" in r else "-"
-    return (f"| {r['offered_rate']:g} | {name} | {pct('attainment')} | {pct('attainment_admitted')} | {good} "
+    return (f"| {r['offered_rate']:g} | {name} | {_attainment_cell(r)} | {pct('attainment_admitted')} | {good} "
             f"| {r.get('refused', 0)} | {dist('ttft_ms', ('p50', 'p90', 'p99'))} "
             f"| {dist('tpot_ms', ('p50', 'p90', 'p99'))} | {dist('itl_ms', ('p50', 'p99'))} "
             f"| {dist('e2e_ms', ('p50', 'p99'))} | {r['output_throughput']:.1f} |")
+
+
+def _attainment_cell(r: dict) -> str:
+    """'90% (81-95)': the share of every request sent that met the SLO, with its 95% interval (Wilson) where the
+    counts are known."""
+    if "attainment" not in r or math.isnan(r["attainment"]):
+        return "-"
+    if not r.get("num_requests") or "good_requests" not in r:
+        return f"{100 * r['attainment']:.0f}%"
+    low, high = wilson_interval(r["good_requests"], r["num_requests"])
+    return f"{100 * r['attainment']:.0f}% ({100 * low:.0f}-{100 * high:.0f})"
 
 
 def _highest_passing_run(rows: list[dict], passes) -> float:  # noqa: ANN001 - a predicate on one row
