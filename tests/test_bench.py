@@ -215,8 +215,8 @@ def test_goodput_figure_is_drawn_with_its_title(tmp_path: Path) -> None:
     path = tmp_path / "g.png"
     title = runner.plot_title(["conveyor", "vllm"], "smollm2")
     assert "conveyor, vllm | smollm2 | " in title and cpu_model() in title
-    with_intervals = [r | {"attainment_ci95": [max(r["attainment"] - 0.05, 0.0), min(r["attainment"] + 0.05, 1.0)]}
-                      for r in rows]  # error bars where a run recorded the interval; none where it did not
+    with_intervals = [r | {"num_requests": 20, "good_requests": round(20 * r["attainment"])}
+                      for r in rows]  # error bars where the counts are known; none where they are not
     plot_goodput({"conveyor": with_intervals, "vllm": rows}, path, title, {"ttft": 2000.0, "tpot": 100.0})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

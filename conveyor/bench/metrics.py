@@ -98,6 +98,14 @@ def wilson_interval(successes: int, total: int, z: float = 1.96) -> tuple[float,
     return max(0.0, center - half), min(1.0, center + half)
 
 
+def attainment_interval(summary: dict) -> tuple[float, float]:
+    """A rate point's attainment interval from its counts (good_requests of num_requests); (nan, nan) where a
+    summary lacks them (another client's figures)."""
+    if "good_requests" not in summary or not summary.get("num_requests"):
+        return math.nan, math.nan
+    return wilson_interval(summary["good_requests"], summary["num_requests"])
+
+
 def summarize(results: list[RequestResult], duration_s: float, offered_rate: float,
               goodput: dict[str, float] | None = None) -> dict:
     """One rate point. With goodput SLOs: good_requests, goodput (good req/s over duration_s), attainment (good

@@ -7,9 +7,10 @@ is drawn, so the benchmark itself runs without it and `conveyor bench` skips its
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 from typing import Any
+
+from conveyor.bench.metrics import attainment_interval
 
 MISSING_MATPLOTLIB = "matplotlib is not installed: no PNG figures (pip install 'conveyor[bench]' for them)"
 
@@ -86,8 +87,8 @@ def plot_goodput(per_target: dict[str, list[dict]], path: Path, title: str, slo:
         rows = sorted(rows, key=lambda r: r["offered_rate"])
         xs = [r["offered_rate"] for r in rows]
         shares = [100 * r.get("attainment", float("nan")) for r in rows]
-        # The 95% interval (Wilson) where the run recorded one: a few points apart can be the same server.
-        bounds = [[100 * b for b in r.get("attainment_ci95", (math.nan, math.nan))] for r in rows]
+        # The 95% interval (Wilson) where the counts are known: a few points apart can be the same server.
+        bounds = [[100 * b for b in attainment_interval(r)] for r in rows]
         errors = [[max(s - lo, 0.0) for s, (lo, _) in zip(shares, bounds, strict=True)],
                   [max(hi - s, 0.0) for s, (_, hi) in zip(shares, bounds, strict=True)]]
         left.errorbar(xs, shares, yerr=errors, marker="o", capsize=3, label=name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from conveyor.bench.metrics import wilson_interval
+from conveyor.bench.metrics import attainment_interval
 
 
 def _ms(value: float) -> str:
@@ -60,10 +60,9 @@ def _attainment_cell(r: dict) -> str:
     counts are known."""
     if "attainment" not in r or math.isnan(r["attainment"]):
         return "-"
-    if not r.get("num_requests") or "good_requests" not in r:
-        return f"{100 * r['attainment']:.0f}%"
-    low, high = wilson_interval(r["good_requests"], r["num_requests"])
-    return f"{100 * r['attainment']:.0f}% ({100 * low:.0f}-{100 * high:.0f})"
+    low, high = attainment_interval(r)
+    share = f"{100 * r['attainment']:.0f}%"
+    return share if math.isnan(low) else f"{share} ({100 * low:.0f}-{100 * high:.0f})"
 
 
 def _highest_passing_run(rows: list[dict], passes) -> float:  # noqa: ANN001 - a predicate on one row
