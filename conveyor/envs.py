@@ -46,8 +46,8 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in (
 
 # Read in conveyor/kernels (which imports nothing of ours); listed for the docs only.
 KERNEL_ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("CONVEYOR_CPU_BUILD_DIR", "~/.cache/conveyor/cpu_ext/<checkout>", "where the C++ CPU extension is built",
-           "conveyor/kernels/cpu_ext.py"),
+    EnvVar("CONVEYOR_CPU_BUILD_DIR", "~/.cache/conveyor/cpu_ext/<sources digest>",
+           "where the C++ CPU extension is built", "conveyor/kernels/cpu_ext.py"),
     EnvVar("CONVEYOR_CPU_VERBOSE", "", "1: show the CPU extension's compiler output", "conveyor/kernels/cpu_ext.py"),
     EnvVar("CONVEYOR_DISABLE_CPU_EXT", "", "1: do not build or load the CPU extension (the torch paths run)",
            "conveyor/kernels/cpu_ext.py"),

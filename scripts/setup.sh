@@ -15,7 +15,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi
-# Our C++ CPU kernels (attention, fused norm/rope): compiled once per checkout into ~/.cache/conveyor/cpu_ext/ (~40 s cold).
+# Our C++ CPU kernels (attention, GGUF linears, fused ops): compiled once per content of their sources into
+# ~/.cache/conveyor/cpu_ext/ (~2 min cold on 2 cores; a clone of the same sources reuses the build).
 .venv/bin/python -m conveyor.kernels.cpu_ext
 # The Prometheus server the metrics tests start (Debian package; idempotent).
 if ! command -v prometheus >/dev/null 2>&1; then
