@@ -57,7 +57,8 @@ def _digest() -> str:
 
 def _stage_sources(directory: pathlib.Path) -> list[pathlib.Path]:
     """Copy the sources and headers into directory/src (a file already there with the same bytes stays untouched,
-    so its mtime does not make ninja rebuild); returns the sources' copies, in SOURCES order."""
+    so its mtime does not make ninja rebuild); returns the sources' copies, in SOURCES order. Compiler messages
+    name these copies: edit the checkout's files, the next build stages them again."""
     staged = directory / "src"
     staged.mkdir(parents=True, exist_ok=True)
     for path in _inputs():
