@@ -7,10 +7,10 @@ import time
 
 from conveyor.bench.metrics import HTTP_TOO_MANY_REQUESTS, RequestResult
 from conveyor.bench.workload import BenchRequest
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.async_engine import AsyncEngine
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.request import SamplingParams
-from conveyor.serving.scheduler import QueueFullError
 
 
 def make_engine(model: str = "smollm2", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,

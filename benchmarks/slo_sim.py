@@ -30,11 +30,12 @@ from pathlib import Path
 
 from conveyor.bench.runner import plan_point
 from conveyor.bench.workload import arrival_offsets, derive_seed, lognormal_lengths
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import SchedulerConfig
 from conveyor.serving.kv_cache_manager import KVCacheManager
 from conveyor.serving.outputs import ModelRunnerOutput, SchedulerOutput
 from conveyor.serving.request import Request, SamplingParams
-from conveyor.serving.scheduler import QueueFullError, Scheduler
+from conveyor.serving.scheduler import Scheduler
 
 # Step times measured on machine E by benchmarks/step_table.py (RESULTS.md, "Step cost"), split_mixed_steps off
 # as by default: rows B decodes, columns C prefill tokens. Beyond the last knot the last segment's slope continues.

@@ -19,10 +19,10 @@ from conveyor.router.engine_supervisor import EngineSupervisor
 from conveyor.router.handle_records import engine_inputs, output_record
 from conveyor.router.latency_window import LatencyWindow
 from conveyor.router.mux import MUX_KEY, SEQ_KEY, SUBSCRIBER_KEY, MuxHub, StreamMux
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine_client import EngineClient, EngineDeadError
 from conveyor.serving.outputs import RequestOutput, merge_outputs
-from conveyor.serving.scheduler import QueueFullError
 
 REFUSED_WINDOW_S = 10.0
 

@@ -7,12 +7,12 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.engine_client import DeviceFaultError, EngineLoad, StreamingClient, device_fault
 from conveyor.serving.outputs import RequestOutput
 from conveyor.serving.request import SamplingParams
-from conveyor.serving.scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conveyor.serving import engine_messages as msg
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine_client import DeviceFaultError, device_fault
 from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.priority import engine_niceness_setting, leave_batch_policy, set_engine_priority
-from conveyor.serving.scheduler import QueueFullError
 from conveyor.serving.step_batching import StepBatcher
 from conveyor.serving.ttft_forecast import cached_prefix_tokens
 

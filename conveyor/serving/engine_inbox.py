@@ -18,8 +18,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conveyor.serving.admission import ttft_refusal
 from conveyor.serving.engine_messages import Add, Reject
-from conveyor.serving.scheduler import ttft_refusal
 from conveyor.serving.ttft_forecast import TtftForecast
 
 logger = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ from typing import Any
 
 from conveyor.serving import engine_messages as msg
 from conveyor.serving import grammar
+from conveyor.serving.admission import REFUSAL_REASONS, QueueFullError
 from conveyor.serving.config import EngineConfig
 from conveyor.serving.engine_client import DeviceFaultError, EngineDeadError, EngineLoad, StreamingClient
 from conveyor.serving.openmp_runtime import engine_child_env
 from conveyor.serving.output_processor import OutputProcessor
 from conveyor.serving.outputs import RequestOutput, merge_outputs
 from conveyor.serving.request import SamplingParams
-from conveyor.serving.scheduler import REFUSAL_REASONS, QueueFullError
 
 logger = logging.getLogger(__name__)
 

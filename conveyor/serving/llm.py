@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.outputs import RequestOutput, SampledToken
 from conveyor.serving.request import Request, SamplingParams
-from conveyor.serving.scheduler import QueueFullError
 from conveyor.serving.settings import ENGINE_KEYS, SURFACE_DEFAULTS, engine_config_from_flat, surface_defaults
 
 Prompt = str | list[int]

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conveyor.serving import LLM, AsyncEngine, EngineConfig, SamplingParams
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine import LLMEngine
-from conveyor.serving.scheduler import QueueFullError
 
 PROMPTS = [
     "The quick brown fox",

@@ -11,11 +11,11 @@ import textwrap
 import pytest
 
 from conveyor.serving import AsyncEngine, EngineConfig, SamplingParams
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine import LLMEngine
 from conveyor.serving.engine_client import EngineDeadError
 from conveyor.serving.engine_process import ProcessEngine
-from conveyor.serving.scheduler import QueueFullError
 from tests.polling import poll_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

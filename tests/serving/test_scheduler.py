@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.request import RequestStatus
-from conveyor.serving.scheduler import QueueFullError
 from tests.fake_runner import FakeRunner, make_request, make_scheduler, run_to_completion, step
 
 

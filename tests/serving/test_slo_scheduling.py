@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.serving.scheduler import QueueFullError
+from conveyor.serving.admission import QueueFullError
 from tests.fake_runner import FakeRunner, make_request, make_scheduler, step
 
 BASE_S, PER_TOKEN_S = 0.010, 0.0005  # the pretend hardware: 10 ms a step + 0.5 ms a token

@@ -9,10 +9,10 @@ from multiprocessing.connection import Connection
 
 import pytest
 
+from conveyor.serving.admission import QueueFullError
 from conveyor.serving.engine_inbox import Inbox
 from conveyor.serving.engine_messages import Abort, Add, Reject
 from conveyor.serving.request import SamplingParams
-from conveyor.serving.scheduler import QueueFullError
 from conveyor.serving.ttft_forecast import TtftForecast, cached_prefix_tokens
 from tests.fake_runner import FakeRunner, make_request, make_scheduler, step
 from tests.serving.test_slo_scheduling import _scheduler_with_known_cost
