@@ -53,8 +53,8 @@ class _ServeSettings(BaseModel):
                                  "thread inside the replica process)")
     # health
     engine_stall_timeout_s: float = Field(
-        120.0, gt=0, description="a replica whose engine has work but completed no step for this long fails its "
-        "health check (Serve replaces it after 3 failed checks)")
+        120.0, gt=0, description="a replica whose engine has work but completed no step, or whose engine "
+        "restart has not finished, for this long fails its health check (Serve replaces it after 3 failed checks)")
     health_check_period_s: float = Field(5.0, gt=0, description="seconds between Serve's health checks")
     drain_timeout_s: float = Field(
         20.0, ge=0, description="a replica being removed (scale-in, redeploy, failed health checks) finishes its "

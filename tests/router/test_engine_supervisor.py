@@ -83,3 +83,43 @@ def test_an_engine_with_work_and_no_step_is_unhealthy_after_the_stall_time_out()
     for listener in built[0].listeners:  # a step completes
         listener(None, [])
     assert supervisor.health_problem() is None
+
+
+def _slow_factory_supervisor(stall_timeout_s: float, fail: bool = False) -> tuple[EngineSupervisor, threading.Event]:
+    """The first engine builds at once; a restart blocks until `release` is set, then builds (or raises)."""
+    release = threading.Event()
+    built: list[FakeEngine] = []
+
+    def factory() -> FakeEngine:
+        if built:
+            release.wait(10)
+            if fail:
+                raise RuntimeError("no memory for the model")
+        built.append(FakeEngine())
+        return built[-1]
+
+    supervisor = EngineSupervisor(factory, stall_timeout_s=stall_timeout_s)
+    built[0].die()
+    return supervisor, release
+
+
+def test_a_restart_under_way_passes_the_health_check_until_the_stall_time_out() -> None:
+    # Serve's 3 failed checks (15 s) are about what a restart takes on a loaded 2-core host: failing them would have
+    # Serve replace a replica whose engine is nearly up.
+    supervisor, release = _slow_factory_supervisor(stall_timeout_s=0.3)
+    assert supervisor.restarting and supervisor.health_problem() is None
+    time.sleep(0.4)
+    problem = supervisor.health_problem()
+    assert problem is not None and "restart has taken" in problem
+    release.set()
+    assert _wait_for(lambda: supervisor.num_restarts == 1)
+    assert supervisor.health_problem() is None
+
+
+def test_a_failed_restart_fails_the_health_check_for_good() -> None:
+    supervisor, release = _slow_factory_supervisor(stall_timeout_s=60.0, fail=True)
+    release.set()
+    assert _wait_for(lambda: supervisor.restart_error is not None)
+    problem = supervisor.health_problem()
+    assert problem is not None and "restart failed" in problem and "no memory" in problem
+    assert supervisor.num_restarts == 0 and not supervisor.restarting
