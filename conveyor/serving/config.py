@@ -97,6 +97,13 @@ class SchedulerConfig:
         0.1, "a stream's credit also counts the tokens it is expected to go on for, this lower quantile of recent "
         "finished requests' output lengths (among those longer than it), each worth the target less the mean step "
         "time (None: pace only)")
+    # A 210-token prompt beside 20 decodes in 5 chunks took 449 ms of steps; whole, then 4 decode-only steps (the
+    # same tokens): 373 ms (bf16 prefill, Zen 4, RESULTS.md): small chunks pay the step's decode rows and fixed
+    # cost again and run the linears at a small-GEMM rate.
+    min_chunk_tokens: int | None = setting(
+        None, "while requests decode, a step takes prefill only if the TPOT target (with its credit) lets it take "
+        "at least this many tokens, or all that is pending; otherwise it runs the decodes alone, which puts the "
+        "streams ahead of their pace and grows the credit, for at most tpot_credit_max targets (None: any chunk)")
     # 8, not 16: on 2 CPU cores a 16-token chunk of a 2k prompt made the step ~2.5x a plain decode step and broke
     # a 70 ms SLO (p99 71, max 323 ms); 8 kept it (p99 59, max 69) for ~30% more long-prompt TTFT (RESULTS.md).
     min_prefill_tokens: int = setting(
@@ -122,6 +129,8 @@ class SchedulerConfig:
             raise ValueError("slo_headroom must be in (0, 1]")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait_s must be > 0")
+        if self.min_chunk_tokens is not None and self.min_chunk_tokens < 1:
+            raise ValueError(f"min_chunk_tokens must be >= 1 or None, got {self.min_chunk_tokens}")
         for name in ("min_prefill_tokens", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
                      "max_waiting_tokens"):
             if getattr(self, name) < 1:

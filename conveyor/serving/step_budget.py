@@ -57,6 +57,7 @@ class StepBudget:
         self.step_cost = step_cost
         quantile = config.tpot_credit_quantile
         self.output_lengths = OutputLengths(quantile) if quantile is not None else None
+        self._deferring_since: float | None = None  # when steps began to run decodes alone (min_chunk_tokens)
 
     def observe_finished(self, num_output_tokens: int) -> None:
         """A request ended by its own output (a stop or its length): what later streams are expected to run to."""
@@ -89,9 +90,46 @@ class StepBudget:
         if not prefills and waiting:
             prefills = [waiting[0]]
         floor = len(decodes) + (self.config.min_prefill_tokens if prefills else 0)
-        fits = self._fits(len(decodes), len(running) + (1 if waiting else 0), sum(r.num_tokens for r in decodes),
-                          prefills[0].num_computed_tokens if prefills else 0, self._tpot_credit_s(decodes, now, pace_s))
-        return min(limit, max(fits, floor, 1))
+        shape = (len(decodes), len(running) + (1 if waiting else 0), sum(r.num_tokens for r in decodes),
+                 prefills[0].num_computed_tokens if prefills else 0)
+        fits = self._fits(*shape, self._tpot_credit_s(decodes, now, pace_s))
+        budget = min(limit, max(fits, floor, 1))
+        if decodes and prefills and self._defers_prefill(budget - len(decodes), shape, running, waiting, now):
+            return len(decodes)
+        return budget
+
+    def _defers_prefill(self, room: int, shape: tuple[int, int, int, int], running: Sequence[Request],
+                        waiting: Sequence[Request], now: float | None) -> bool:
+        """Whether this step runs its decodes alone because the prefill room is under min_chunk_tokens (and under
+        what is pending). Each such step is shorter than the target, so the streams get ahead of their pace and
+        the TPOT credit grows the room. Only where decodes alone take under half the target (else the credit
+        grows too slowly to be worth the wait) and the room at the credit's cap would be enough, and for at most
+        that cap's time (more waiting buys no more credit)."""
+        c = self.config
+        if c.min_chunk_tokens is None or now is None or c.itl_slo_ms is not None or not c.tpot_credit_max:
+            return False
+        num_decodes, _, decode_kv_reads, _ = shape
+        target_s = c.tpot_slo_ms / 1000 * c.slo_headroom
+        if self.step_cost.predict(num_decodes, num_decodes, decode_kv_reads) > target_s / 2:
+            return False
+        pending = 0
+        for r in running:
+            if r.num_tokens_to_schedule > 1:
+                pending += r.num_tokens_to_schedule
+        for r in waiting:
+            if pending >= c.min_chunk_tokens:
+                break
+            pending += r.num_tokens - r.num_computed_tokens
+        want = min(c.min_chunk_tokens, pending)
+        if room >= want or self._fits(*shape, target_s * c.tpot_credit_max) - num_decodes < want:
+            self._deferring_since = None
+            return False
+        if self._deferring_since is None:
+            self._deferring_since = now
+        if now - self._deferring_since < target_s * c.tpot_credit_max:
+            return True
+        self._deferring_since = None
+        return False
 
     def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float) -> float:
         """How far this step may exceed the TPOT target: TPOT is a mean over a request's tokens, so a stream
