@@ -30,8 +30,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before ray is imported: token auth is on by default
+from conveyor.bench.cli_args import add_workload_args, rates_arg  # noqa: E402
 from conveyor.bench.report import ratio_table, score  # noqa: E402
-from conveyor.bench.runner import add_workload_args, compare, parse_goodput, rates_arg, write_compare  # noqa: E402
+from conveyor.bench.runner import compare, parse_goodput, write_compare  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 

@@ -41,21 +41,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conveyor.bench.cli_args import add_workload_args, positive_float, rates_arg
 from conveyor.bench.machine import cpu_model
 from conveyor.bench.metrics import SLO_KEYS, parse_goodput
 from conveyor.bench.plots import plot_curves, plot_goodput
 from conveyor.bench.report import attainment_capacity, goodput_row, goodput_table
-from conveyor.bench.runner import (
-    add_workload_args,
-    args_record,
-    check_args,
-    plan_point,
-    plot_title,
-    positive_float,
-    rates_arg,
-    run_point,
-    want_plots,
-)
+from conveyor.bench.runner import args_record, check_args, plan_point, plot_title, run_point, want_plots
 
 try:
     from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port
