@@ -19,7 +19,7 @@ RAY_FIXTURES = frozenset({"serve_cluster", "serve_instance"})
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = getattr(item, "fixturenames", ())
-        if RAY_FIXTURES.intersection(names) or (item.path.name == "test_cli_serve.py" and "server" in names):
+        if RAY_FIXTURES.intersection(names) or item.path.name == "test_cli_serve.py":  # each starts `conveyor serve`
             item.add_marker(pytest.mark.ray)
 
 

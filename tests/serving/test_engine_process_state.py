@@ -6,6 +6,8 @@ import asyncio
 import os
 import time
 
+import pytest
+
 from conveyor.serving import EngineConfig, SamplingParams
 from conveyor.serving.config import CacheConfig, ModelConfig, SchedulerConfig
 from conveyor.serving.engine_process import ProcessEngine
@@ -54,6 +56,7 @@ def _at_rest(engine: ProcessEngine) -> dict[str, int]:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # ~10 s: the full suite's, not the inner loop's
 def test_ten_thousand_requests_leave_no_per_request_state(tiny_model_dir):
     # Native memory that no request owns grows with the number of distinct step shapes (oneDNN keeps a JIT kernel per
     # matmul shape, up to 1024; the allocator's pools follow): with the default 512-token budget and prompts of mixed
