@@ -112,14 +112,11 @@ class StepBudget:
         target_s = c.tpot_slo_ms / 1000 * c.slo_headroom
         if self.step_cost.predict(num_decodes, num_decodes, decode_kv_reads) > target_s / 2:
             return False
-        pending = 0
-        for r in running:
-            if r.num_tokens_to_schedule > 1:
-                pending += r.num_tokens_to_schedule
+        pending = sum(n for r in running if (n := r.num_tokens_to_schedule) > 1)  # running prefills, then the queue
         for r in waiting:
             if pending >= c.min_chunk_tokens:
                 break
-            pending += r.num_tokens - r.num_computed_tokens
+            pending += r.num_tokens_to_schedule
         want = min(c.min_chunk_tokens, pending)
         if room >= want or self._fits(*shape, target_s * c.tpot_credit_max) - num_decodes < want:
             self._deferring_since = None
