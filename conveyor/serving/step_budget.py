@@ -58,6 +58,7 @@ class StepBudget:
         quantile = config.tpot_credit_quantile
         self.output_lengths = OutputLengths(quantile) if quantile is not None else None
         self._deferring_since: float | None = None  # when steps began to run decodes alone (min_chunk_tokens)
+        self._no_deferring_until = 0.0  # after a deferral that ran out: its credit did not grow, so none for as long
 
     def observe_finished(self, num_output_tokens: int) -> None:
         """A request ended by its own output (a stop or its length): what later streams are expected to run to."""
@@ -104,9 +105,11 @@ class StepBudget:
         what is pending). Each such step is shorter than the target, so the streams get ahead of their pace and
         the TPOT credit grows the room. Only where decodes alone take under half the target (else the credit
         grows too slowly to be worth the wait) and the room at the credit's cap would be enough, and for at most
-        that cap's time (more waiting buys no more credit)."""
+        that cap's time (more waiting buys no more credit); a wait that ran out (streams behind their pace give
+        none) is not begun again for as long, so prefill there still runs a chunk every step."""
         c = self.config
-        if c.min_chunk_tokens is None or now is None or c.itl_slo_ms is not None or not c.tpot_credit_max:
+        if (c.min_chunk_tokens is None or now is None or c.itl_slo_ms is not None or not c.tpot_credit_max
+                or now < self._no_deferring_until):
             return False
         num_decodes, _, decode_kv_reads, _ = shape
         target_s = c.tpot_slo_ms / 1000 * c.slo_headroom
@@ -126,6 +129,7 @@ class StepBudget:
         if now - self._deferring_since < target_s * c.tpot_credit_max:
             return True
         self._deferring_since = None
+        self._no_deferring_until = now + target_s * c.tpot_credit_max
         return False
 
     def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float) -> float:

@@ -10,24 +10,33 @@ from tests.serving.test_slo_scheduling import BASE_S, PER_TOKEN_S, _on_pace, _sc
 SETTINGS = {"tpot_credit_max": 3.0, "tpot_credit_quantile": None}
 
 
-def _first_chunk(min_chunk_tokens: int, prompt_len: int = 1000, behind: bool = False) -> tuple[int, float, int]:
-    """Step the 4 on-pace streams of _scheduler_with_known_cost, the clock advancing by each step's modelled cost,
-    until the long prompt gets a chunk: (its tokens, seconds until then, decode-only steps before it)."""
+def _chunks(min_chunk_tokens: int | None, prompt_len: int = 1000, behind: bool = False,
+            num_steps: int = 100) -> list[tuple[float, int]]:
+    """Step the 4 on-pace streams of _scheduler_with_known_cost and a long prompt, the clock advancing by each
+    step's modelled cost: (seconds since the prompt came, its chunk's tokens or 0) for each step."""
     scheduler, runner = _scheduler_with_known_cost(min_chunk_tokens=min_chunk_tokens, **SETTINGS)
     now = 100.0
     _on_pace(scheduler, now)
     if behind:  # 10 s for ~30 tokens: far behind a 100 ms pace, so it never lends credit
         scheduler.running[0].first_token_time = now - 10.0
     scheduler.add_request(make_request("long", prompt_len, 2, first_token=300))  # no prefix-cache hit
-    for num_decode_only in range(100):
+    steps = []
+    for _ in range(num_steps):
         scheduler.clock = lambda now=now: now
         sched, _ = step(scheduler, runner)
         chunks = {c.request.request_id: c.num_tokens for c in sched.chunks}
-        if "long" in chunks:
-            return chunks["long"], now - 100.0, num_decode_only
+        steps.append((now - 100.0, chunks.pop("long", 0)))
         assert chunks == {f"s{i}": 1 for i in range(4)}
         now += BASE_S + PER_TOKEN_S * sched.num_scheduled_tokens
-    raise AssertionError("the long prompt never got a chunk")
+    return steps
+
+
+def _first_chunk(min_chunk_tokens: int | None, prompt_len: int = 1000, behind: bool = False) -> tuple[int, float, int]:
+    """(the long prompt's first chunk, seconds until then, decode-only steps before it)."""
+    steps = _chunks(min_chunk_tokens, prompt_len, behind)
+    num_decode_only = next(i for i, (_, tokens) in enumerate(steps) if tokens)
+    waited_s, tokens = steps[num_decode_only]
+    return tokens, waited_s, num_decode_only
 
 
 def test_a_small_chunk_waits_for_the_credit_of_decode_only_steps():
@@ -61,6 +70,9 @@ def test_the_wait_ends_after_the_credit_caps_time_even_without_credit():
     tokens, waited_s, num_decode_only = _first_chunk(min_chunk_tokens=300, behind=True)
     assert num_decode_only > 1 and 0.3 <= waited_s < 0.3 + 0.02  # 3 targets of 100 ms, then what the room gives
     assert abs(tokens - 176) <= 2
+    # And it does not begin again for as long: the prompt's next chunks follow step after step.
+    steps = _chunks(min_chunk_tokens=300, behind=True, num_steps=num_decode_only + 4)
+    assert all(abs(tokens - 176) <= 2 for _, tokens in steps[num_decode_only:])
 
 
 def test_off_by_default():
