@@ -102,7 +102,10 @@ def complete(base_url: str, i: int) -> httpx.Response:
 
 
 def _running_a_batch() -> tuple[str, dict] | None:
-    return next(((rid, s) for rid, s in fleet_stats(APP).items() if s["num_running"] == 2), None)
+    """A replica generating a batch of 2 with more queued behind it: work to hand back even if its batch ends
+    between this read and the kill."""
+    return next(((rid, s) for rid, s in fleet_stats(APP).items() if s["num_running"] == 2 and s["num_waiting"]),
+                None)
 
 
 def test_engine_kill_starts_unstreamed_requests_over_elsewhere(base_url: str) -> None:
@@ -110,16 +113,19 @@ def test_engine_kill_starts_unstreamed_requests_over_elsewhere(base_url: str) ->
     handed_back_before = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total")
     with ThreadPoolExecutor(NUM_UNSTREAMED) as pool:
         futures = [pool.submit(complete, base_url, i) for i in range(NUM_UNSTREAMED)]
-        victim_id, victim = wait_until(_running_a_batch, 30, "a replica generating a batch of 2", 0.1)
+        victim_id, victim = wait_until(_running_a_batch, 30, "a replica generating a batch of 2, more queued", 0.1)
         restarts_before = victim["num_engine_restarts"]
-        os.kill(engine_child_of(victim["pid"]), signal.SIGKILL)
+        engine_pid = engine_child_of(victim["pid"])
+        os.kill(engine_pid, signal.SIGKILL)
         responses = [f.result(timeout=120) for f in futures]
     # Every one answered whole: the victim's batch (tokens generated, none sent) and its queue went elsewhere.
     assert [r.status_code for r in responses] == [200] * NUM_UNSTREAMED, [r.text[:200] for r in responses]
     assert all(r.json()["usage"]["completion_tokens"] == UNSTREAMED_TOKENS for r in responses)
-    handed_back = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total") - handed_back_before
-    write_artifact("engine_kill_unstreamed", {"requests": NUM_UNSTREAMED, "handed_back": handed_back})
-    assert handed_back >= 2  # at least the victim's running batch
+    # The kill reached the live engine (a full-suite run once saw nothing handed back: this says whether it had).
     wait_until(lambda: _restarts(victim_id) == restarts_before + 1, BACK_WITHIN_S, "the engine to restart", 0.5)
+    handed_back = metric_sum(base_url + "/metrics", "conveyor_requests_handed_back_total") - handed_back_before
+    at_kill = {k: victim[k] for k in ("num_running", "num_waiting", "pid")} | {"engine_pid": engine_pid}
+    write_artifact("engine_kill_unstreamed", {"requests": NUM_UNSTREAMED, "handed_back": handed_back} | at_kill)
+    assert handed_back >= 2, at_kill  # at least the victim's running batch
     stats = wait_fleet_idle(APP, 30)
     assert all(s["num_block_tables"] == 0 for s in stats.values()), stats
