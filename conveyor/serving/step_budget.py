@@ -113,6 +113,7 @@ class StepBudget:
             return False
         num_decodes, _, decode_kv_reads, _ = shape
         target_s = c.tpot_slo_ms / 1000 * c.slo_headroom
+        cap_s = target_s * c.tpot_credit_max  # the most credit a step can use, and so the longest wait worth it
         if self.step_cost.predict(num_decodes, num_decodes, decode_kv_reads) > target_s / 2:
             return False
         pending = sum(n for r in running if (n := r.num_tokens_to_schedule) > 1)  # running prefills, then the queue
@@ -121,15 +122,15 @@ class StepBudget:
                 break
             pending += r.num_tokens_to_schedule
         want = min(c.min_chunk_tokens, pending)
-        if room >= want or self._fits(*shape, target_s * c.tpot_credit_max) - num_decodes < want:
+        if room >= want or self._fits(*shape, cap_s) - num_decodes < want:
             self._deferring_since = None
             return False
         if self._deferring_since is None:
             self._deferring_since = now
-        if now - self._deferring_since < target_s * c.tpot_credit_max:
+        if now - self._deferring_since < cap_s:
             return True
         self._deferring_since = None
-        self._no_deferring_until = now + target_s * c.tpot_credit_max
+        self._no_deferring_until = now + cap_s
         return False
 
     def _tpot_credit_s(self, decodes: Sequence[Request], now: float | None, pace_s: float) -> float:
