@@ -134,3 +134,59 @@ def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None =
     else:
         out = torch.ops.conveyor_cpu.gguf_linear(flat, weight.q, weight.scales, weight.ggml_type, weight.out_features)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A GGUFWeight's quants laid out for the int8 kernel (gguf_int8_cpu.cpp): u uint8 [groups, K / 32, 8, 16, 4],
+    per block eight quads of four consecutive inputs with each feature lane's four together, unsigned (Q8_0: q + 128);
+    dm float32 [groups, K / 32, 2, 16], d and m of w = d * u + m (Q8_0: m = -128 d)."""
+
+    u: torch.Tensor
+    dm: torch.Tensor
+    out_features: int
+
+
+def prepare_int8(weight: GGUFWeight) -> Int8Weight:
+    """The int8 kernel's layout of a prepared weight (1 byte per weight: the nibbles unpacked once here)."""
+    groups, _, lanes = weight.q.shape
+    num_blocks = weight.scales.shape[1]
+    if weight.ggml_type == Q8_0:
+        u = (weight.q.view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(groups, num_blocks, BLOCK, lanes)
+    else:
+        packed = weight.q.reshape(groups, num_blocks, BLOCK // 2, lanes)
+        u = torch.cat([packed & 0x0F, packed >> 4], dim=2)
+    u = u.reshape(groups, num_blocks, BLOCK // 4, 4, lanes).permute(0, 1, 2, 4, 3).contiguous()
+    scales = weight.scales.float()
+    d = scales[:, :, 0]
+    m = -128.0 * d if weight.ggml_type == Q8_0 else scales[:, :, 1]
+    return Int8Weight(u, torch.stack([d, m], dim=2).contiguous(), weight.out_features)
+
+
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel multiplies instead of x float32 [..., K]: each block of 32 rounded to int8 (nearest even)
+    at the scale max|x| / 127, dequantized back (llama.cpp's Q8 activations)."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # torch.div, not 127.0 / amax: torch computes a scalar over a tensor as a reciprocal times the scalar, an ulp
+    # off the kernel's division, which flips the rounding of an activation at a tie
+    inverse = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
+    quants = torch.round(blocks * inverse).clamp(-128, 127)
+    return (quants * (amax / 127.0)).reshape(x.shape)
+
+
+def int8_linear_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's result in torch, in float64: the int8-rounded activations times the dequantized weight."""
+    return (round_activations_int8(x).double() @ dequantized.double().T).float()
+
+
+def has_int8_kernel() -> bool:
+    """Whether the int8-activation kernel is built here: it needs AVX512-VNNI."""
+    return cpu_ext.has_op("gguf_linear_int8")
+
+
+def gguf_linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x float32 [..., K] @ W^T with int8-rounded activations (round_activations_int8); bias is the caller's."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.conveyor_cpu.gguf_linear_int8(flat, weight.u, weight.dm, weight.out_features)
+    return out.view(*x.shape[:-1], weight.out_features)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # vLLM's kv_cache_dtype values we support: "auto" is the model's dtype; "fp8" is fp8_e4m3, as in vLLM.
-CPU_PREFILL_DTYPES = ("float32", "bfloat16")
+CPU_PREFILL_DTYPES = ("float32", "bfloat16", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # SchedulerConfig.admission_policy: refuse what would miss its TTFT target, or queue everything up to the bounds.
 ADMISSION_POLICIES = ("slo", "queue")
@@ -173,13 +173,16 @@ class EngineConfig:
     gguf_max_rows: int | None = setting(
         None, "CPU float32, model from a GGUF: steps of at most this many tokens multiply by the file's quantized "
         "blocks (0: always the fp32 weights; None: by the CPU, 64 with AVX-512 or AVX2, else 8; with "
-        "cpu_prefill_dtype bfloat16 64 where AVX512-BF16 gives the blocks a bf16 kernel, else 12)")
+        "cpu_prefill_dtype bfloat16 64 where AVX512-BF16 gives the blocks a bf16 kernel, else 12; with int8 "
+        "every step)")
     # Prefill is most of a CPU server's work; oneDNN's packed bf16 GEMM runs it at ~1.8x fp32's where bf16 is native.
     cpu_prefill_dtype: str = setting(
         "float32", "CPU, model from a GGUF: the element type the decoder layers' linears multiply in for steps "
         "past gguf_max_rows (prefill chunks, large decode batches), and with AVX512-BF16 the blocks' steps of "
         "8 rows or more too; bfloat16 needs AVX512-BF16 or AMX, ~1.8x the float32 rate, and rounds those "
-        "matmuls' inputs and weights to bf16, so greedy outputs may differ from float32's",
+        "matmuls' inputs and weights to bf16, so greedy outputs may differ from float32's; int8 (AVX512-VNNI) "
+        "multiplies every step past 3 rows (Q8_0: 6) over the blocks with each block of 32 activations rounded "
+        "to int8, llama.cpp's arithmetic, ~1.5x bfloat16's rate, with the same caveat",
         choices=CPU_PREFILL_DTYPES)
     # The CPU's CUDA graph: ~10 Python-driven kernel calls per layer become one C++ call, bit-identical.
     cpu_decode_stack: bool = setting(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from conveyor.kernels import ops
+from conveyor.kernels import gguf, ops
 from conveyor.serving import grammar
 from conveyor.serving.attention import uniform_sliding_window
 from conveyor.serving.config import EngineConfig
@@ -26,6 +26,7 @@ from conveyor.serving.models.gguf_weights import (
     default_gguf_max_rows,
     gguf_weights_unavailable_reason,
     load_blocks,
+    multiply_in_int8,
     multiply_prefills_in_bfloat16,
 )
 from conveyor.serving.models.loader import generation_eos_ids, load_model, resolve_device_dtype
@@ -72,6 +73,8 @@ class LLMEngine(PromptSide):
         self.num_gguf_linears = self._attach_gguf_weights(self.gguf_max_rows)
         if config.cpu_prefill_dtype == "bfloat16":
             self._multiply_prefills_in_bfloat16()
+        elif config.cpu_prefill_dtype == "int8":
+            self._multiply_in_int8()
         self.model.decode_stack = self._decode_stack() if config.cpu_decode_stack and self.num_gguf_linears else None
         context_len = getattr(hf, "max_position_embeddings", 2048)
         self.max_model_len = min(config.model.max_model_len or context_len, context_len)
@@ -133,6 +136,16 @@ class LLMEngine(PromptSide):
                              "AMX) and oneDNN; elsewhere bf16 is emulated, slower than float32")
         count = multiply_prefills_in_bfloat16(self.model)
         logger.info("%d linears multiply steps of > %d tokens in bfloat16", count, self.gguf_max_rows)
+
+    def _multiply_in_int8(self) -> None:
+        if not self.num_gguf_linears:
+            raise ValueError("cpu_prefill_dtype int8 applies to a GGUF model's linears on CPU in float32 with "
+                             "gguf_max_rows > 0; this engine reads no GGUF blocks")
+        if not gguf.has_int8_kernel():
+            raise ValueError("cpu_prefill_dtype int8 needs a CPU with AVX512-VNNI (the int8 kernel's vpdpbusd)")
+        count = multiply_in_int8(self.model)
+        logger.info("%d linears multiply steps of > %d rows (up to %d) with int8 activations", count,
+                    gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], self.gguf_max_rows)
 
     def _decode_stack(self) -> DecodeStack | None:
         try:

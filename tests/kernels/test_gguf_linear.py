@@ -151,3 +151,50 @@ def test_bf16_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
         torch.ops.conveyor_cpu.gguf_linear_bf16(torch.randn(9, 96), prepared.q, prepared.scales, gguf.Q4_1, 40)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         torch.ops.conveyor_cpu.gguf_linear_bf16(torch.randn(9, 64), prepared.q, prepared.scales, 2, 40)
+
+
+int8_kernel = pytest.mark.skipif(not gguf.has_int8_kernel(), reason="no AVX512-VNNI: no int8 kernel here")
+
+
+@int8_kernel
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+@pytest.mark.parametrize("num_rows", [0, 1, 5, 6, 7, 13, 48, 49, 100])
+@pytest.mark.parametrize("shape", [(1, 32), (33, 64), (96, 576), (40, 1536)], ids=str)
+def test_int8_kernel_matches_the_matmul_of_int8_rounded_activations(ggml_type: int, num_rows: int,
+                                                                    shape: tuple[int, int]) -> None:
+    """Each block of 32 activations rounded to int8 at its own scale, times the dequantized weight: only the
+    summation order differs (tiles of 6 rows, sweeps of 48, a last pass of padded features all covered)."""
+    out_features, in_features = shape
+    blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(4))
+    x[:, :32] *= torch.linspace(3, 0, num_rows).unsqueeze(1)  # blocks of other scales, the last row's zero
+    weight = gguf.dequantize(blocks, ggml_type, in_features)
+    int8_weight = gguf.prepare_int8(gguf.prepare(blocks, ggml_type, in_features))
+    out = gguf.gguf_linear_int8(x, int8_weight)
+    expected = gguf.int8_linear_reference(x, weight)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    if num_rows:
+        assert not torch.allclose(out, x @ weight.T, atol=1e-4, rtol=0)  # really rounded
+
+
+def test_int8_rounding_keeps_each_block_on_its_own_grid() -> None:
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5))
+    x[1, 32:64] = 0
+    x[2, :32] *= 1000
+    rounded = gguf.round_activations_int8(x)
+    blocks, source = rounded.reshape(3, 3, 32), x.reshape(3, 3, 32)
+    step = source.abs().amax(-1, keepdim=True) / 127
+    quants = blocks / torch.where(step > 0, step, torch.ones_like(step))
+    torch.testing.assert_close(quants, quants.round(), atol=1e-3, rtol=0)
+    assert quants.abs().max() <= 127 and torch.equal(blocks[1, 1], torch.zeros(32))
+    assert ((blocks - source).abs() <= step / 2 * 1.0001).all()  # half a step at most
+    torch.testing.assert_close(rounded[2, 32:], x[2, 32:], atol=0.02, rtol=0)  # a loud block leaves the others alone
+
+
+@int8_kernel
+def test_int8_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
+    int8_weight = gguf.prepare_int8(gguf.prepare(random_blocks(40, 64, gguf.Q4_1), gguf.Q4_1, 64))
+    with pytest.raises(RuntimeError, match="expected"):
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 96), int8_weight.u, int8_weight.dm, 40)
+    with pytest.raises(RuntimeError, match="expected"):
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 64), int8_weight.u, int8_weight.dm, 80)

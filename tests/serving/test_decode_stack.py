@@ -106,7 +106,7 @@ def test_the_op_rejects_inconsistent_layer_lists():
     empty = torch.zeros(0)
     with pytest.raises(RuntimeError, match="layers need 14 weights"):
         torch.ops.conveyor_cpu.decode_layers(x, [empty], [3, 3, 3, 3], [empty], [empty], empty, empty, empty,
-                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6, 0)
+                                             empty, empty, empty, 4, 2, 16, 1e-5, 0.25, 3, 6, 0, False)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

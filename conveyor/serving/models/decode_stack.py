@@ -63,15 +63,21 @@ class DecodeStack:
         self.final_norm = model.model.norm.weight.detach()
         self.weights: list[Tensor] = []
         self.ggml_types: list[int] = []
-        max_rows, bf16_min_rows = set(), set()
+        max_rows, bf16_min_rows, int8 = set(), set(), set()
         for layer in layers:
             self.weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for part, name in _PROJECTIONS:
                 linear = getattr(getattr(layer, part), name)
-                self.weights += [linear.weight.blocks, linear.weight.q, linear.weight.scales]
+                int8_weight = linear.int8_weight
+                self.weights.append(linear.weight.blocks)
+                if int8_weight is None:
+                    self.weights += [linear.weight.q, linear.weight.scales]
+                else:
+                    self.weights += [int8_weight.u, int8_weight.dm]
                 self.ggml_types.append(linear.ggml_type)
                 max_rows.add(linear.max_rows)
                 bf16_min_rows.add(linear.bf16_min_rows or 0)
+                int8.add(int8_weight is not None)
         # Steps past the smallest max_rows would send some projection to its fp32 weights: the module path's.
         self.max_rows = min(max_rows)
         self.rows_kernel_max_rows = (gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q8_0])
@@ -79,6 +85,9 @@ class DecodeStack:
         if len(bf16_min_rows) != 1:
             raise ValueError(f"decode stack: the layers' linears disagree on bf16_min_rows ({sorted(bf16_min_rows)})")
         self.bf16_min_rows = bf16_min_rows.pop()
+        if len(int8) != 1:
+            raise ValueError("decode stack: some of the layers' linears multiply in int8, some not")
+        self.int8_activations = int8.pop()
         # The runner's cache list lives as long as the engine: split it into key and value lists once.
         self._kv_source: list[tuple[Tensor, Tensor]] | None = None
         self._key_caches: list[Tensor] = []
@@ -100,4 +109,4 @@ class DecodeStack:
             x, self.weights, self.ggml_types, self._key_caches, self._value_caches, self.final_norm, cos, sin,
             meta.slot_mapping.to(torch.long).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
             meta.seq_lens.to(torch.int32).contiguous(), self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-            self.scale, *self.rows_kernel_max_rows, self.bf16_min_rows)
+            self.scale, *self.rows_kernel_max_rows, self.bf16_min_rows, self.int8_activations)

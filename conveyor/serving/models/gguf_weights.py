@@ -38,6 +38,9 @@ DEFAULT_MAX_ROWS = 8
 # blocks have a bf16 kernel too (AVX512-BF16, kernels/gguf.py), that one stays ahead up to 64 rows.
 BFLOAT16_PREFILL_MAX_ROWS = 12
 BFLOAT16_BLOCKS_MAX_ROWS = 64
+# With cpu_prefill_dtype int8 every step reads the blocks: the int8 kernel runs SmolLM2's layer linears at ~1.5x
+# oneDNN's packed bf16 GEMM at 64-512 rows, so no step needs the packed weights (freed: multiply_in_int8).
+INT8_MAX_ROWS = 1 << 30
 
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -120,6 +123,7 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         self.max_rows = max_rows
         self.bf16_min_rows: int | None = None  # steps from this many rows multiply the blocks in bf16 (gguf.py)
+        self.int8_weight: gguf.Int8Weight | None = None  # cpu_prefill_dtype int8 (multiply_in_int8)
 
     @property
     def ggml_type(self) -> int:
@@ -130,14 +134,20 @@ class GGUFLinear(nn.Module):
         return self.weight.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] > self.max_rows:
+        num_rows = x.numel() // x.shape[-1]
+        if num_rows > self.max_rows:
             return self.dense(x)
-        out = gguf.gguf_linear(x, self.weight, self.bf16_min_rows)
+        if self.int8_weight is not None and num_rows > gguf.ROWS_KERNEL_MAX_ROWS[self.ggml_type]:
+            out = gguf.gguf_linear_int8(x, self.int8_weight)
+        else:
+            out = gguf.gguf_linear(x, self.weight, self.bf16_min_rows)
         return out if self.bias is None else out + self.bias
 
 
 def default_gguf_max_rows(config: EngineConfig) -> int:
     """gguf_max_rows when unset: the blocks kernels' crossover against the packed weights the larger steps use."""
+    if config.cpu_prefill_dtype == "int8":
+        return INT8_MAX_ROWS
     if config.cpu_prefill_dtype == "bfloat16":
         return BFLOAT16_BLOCKS_MAX_ROWS if gguf.has_bf16_kernel() else BFLOAT16_PREFILL_MAX_ROWS
     return gguf.default_max_rows()
@@ -160,6 +170,20 @@ def multiply_prefills_in_bfloat16(model: nn.Module) -> int:
     head = model.packed_logits if getattr(model, "packed_logits", None) is not None else model.lm_head
     if isinstance(head, GGUFLinear) and bf16_min_rows is not None:
         head.bf16_min_rows = bf16_min_rows
+    return count
+
+
+def multiply_in_int8(model: nn.Module) -> int:
+    """Give every GGUFLinear (the LM head's too) the int8 kernel for its steps past the rows kernel
+    (kernels/gguf.py gguf_linear_int8: each block of 32 activations rounded to int8, products with the quants summed
+    exactly); one that no step sends past max_rows frees its packed weights. Returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.int8_weight = gguf.prepare_int8(module.weight)
+            if module.max_rows >= INT8_MAX_ROWS:
+                module.dense = None
+            count += 1
     return count
 
 

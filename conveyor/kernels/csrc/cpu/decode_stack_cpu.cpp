@@ -9,7 +9,8 @@
 // Scope (the caller checks it, conveyor/serving/models/decode_stack.py): float32, every row a decode (one token per
 // sequence, rows in sequence order), every projection in GGUF blocks without a bias, rope rotate-half.
 // Per layer, in `weights` (14 tensors): input norm, post-attention norm, then for qkv, o, gate_up, down each the
-// GGUF rows of blocks and the interleaved (q, scales) of gguf_prepare. `ggml_types`: 4 per layer.
+// GGUF rows of blocks and the interleaved (q, scales) of gguf_prepare, or with int8_activations the int8 kernel's
+// (u, dm) of kernels/gguf.py prepare_int8. `ggml_types`: 4 per layer.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,6 +29,7 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // The registered kernels' signatures, exactly as each .cpp registers them.
 using LinearRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using LinearInt8Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNormFn = void(at::Tensor, at::Tensor, const at::Tensor&, double);
 using RopeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
@@ -59,12 +61,20 @@ const c10::TypedOperatorHandle<LinearFn>& linear_bf16() {
   return handle;
 }
 
-// What conveyor/kernels/gguf.py's gguf_linear does: GGUF's rows of blocks for the smallest steps, the interleaved layout
-// for the rest, in bf16 from bf16_min_rows (0: never); the same crossovers, passed in.
+// The int8-activation kernel, registered only where AVX512-VNNI is (gguf_int8_cpu.cpp): looked up on first use.
+const c10::TypedOperatorHandle<LinearInt8Fn>& linear_int8() {
+  static const auto handle = op<LinearInt8Fn>("conveyor_cpu::gguf_linear_int8");
+  return handle;
+}
+
+// What conveyor/serving/models/gguf_weights.py's GGUFLinear does: GGUF's rows of blocks for the smallest steps, the
+// int8 kernel for the rest where int8 (w[1], w[2] are then its layout), else the interleaved layout, in bf16 from
+// bf16_min_rows (0: never); the same crossovers, passed in.
 at::Tensor linear(const Kernels& k, const at::Tensor& x, const at::Tensor* w, int64_t type, int64_t max_rows_kernel,
-                  int64_t bf16_min_rows) {
+                  int64_t bf16_min_rows, bool int8) {
   const int64_t out_features = w[0].size(0);
   if (x.size(0) <= max_rows_kernel) return k.linear_rows.call(x, w[0], type, out_features);
+  if (int8) return linear_int8().call(x, w[1], w[2], out_features);
   if (bf16_min_rows > 0 && x.size(0) >= bf16_min_rows) return linear_bf16().call(x, w[1], w[2], type, out_features);
   return k.linear.call(x, w[1], w[2], type, out_features);
 }
@@ -74,7 +84,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
                          const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          double eps, double scale, int64_t rows_max_q4_1, int64_t rows_max_q8_0,
-                         int64_t bf16_min_rows) {
+                         int64_t bf16_min_rows, bool int8_activations) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kTensorsPerLayer &&
                   static_cast<int64_t>(ggml_types.size()) == num_layers * kLinearsPerLayer &&
@@ -99,7 +109,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
     } else {
       k.add_rms_norm.call(x, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear(k, x, w + 2, types[0], max_rows(types[0]), bf16_min_rows);
+    const at::Tensor qkv = linear(k, x, w + 2, types[0], max_rows(types[0]), bf16_min_rows, int8_activations);
     k.rope.call(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -107,10 +117,12 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList weights, at::IntArrayRef g
     const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({tokens, num_heads, head_dim}).contiguous();
     at::Tensor attn = at::empty_like(query);
     k.decode.call(attn, query, key_caches[layer], value_caches[layer], block_tables, seq_lens, scale, 0, 0.0);
-    x = linear(k, attn.view({tokens, q_size}), w + 5, types[1], max_rows(types[1]), bf16_min_rows);
+    x = linear(k, attn.view({tokens, q_size}), w + 5, types[1], max_rows(types[1]), bf16_min_rows,
+               int8_activations);
     k.add_rms_norm.call(x, residual, w[1], eps);
-    const at::Tensor act = k.silu_and_mul.call(linear(k, x, w + 8, types[2], max_rows(types[2]), bf16_min_rows));
-    x = linear(k, act, w + 11, types[3], max_rows(types[3]), bf16_min_rows);
+    const at::Tensor act =
+        k.silu_and_mul.call(linear(k, x, w + 8, types[2], max_rows(types[2]), bf16_min_rows, int8_activations));
+    x = linear(k, act, w + 11, types[3], max_rows(types[3]), bf16_min_rows, int8_activations);
   }
   k.add_rms_norm.call(x, residual, final_norm, eps);
   return x;
@@ -122,7 +134,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor[] weights, int[] ggml_types, Tensor[] key_caches, Tensor[] value_caches, "
         "Tensor final_norm, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int rows_max_q4_1, "
-        "int rows_max_q8_0, int bf16_min_rows) -> Tensor");
+        "int rows_max_q8_0, int bf16_min_rows, bool int8_activations) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {

@@ -1,0 +1,185 @@
+// y = x @ W^T with int8 activations over the GGUF quants (AVX512-VNNI): the linear of cpu_prefill_dtype=int8.
+//
+// Why: prefill is most of a CPU server's work and its linears run at the bf16 GEMM's peak (~390 GFLOP/s on a 2-core
+// Zen 4); one vpdpbusd does 64 multiply-adds where a vdpbf16ps does 32. The numbers are llama.cpp's for a Q4_1 or
+// Q8_0 weight: each activation block of 32 is rounded to int8 with its own scale (dx = max|x| / 127, round to
+// nearest even), and the products of those int8s with the weight's own quants are summed exactly in int32, then
+// scaled: y = sum over blocks of d * dx * sum(u * a) + m * dx * sum(a), with the weight w = d * u + m (Q8_0:
+// u = q + 128, m = -128 d). So the result is the dequantized weight times the int8-rounded activations, up to
+// summation order (reference: kernels/gguf.py int8_linear_reference).
+//
+// Layout (kernels/gguf.py prepare_int8): u uint8 [groups, K / 32, 8, 16, 4], per block eight quads of four
+// consecutive inputs, each feature lane's four bytes together (vpdpbusd's lane), and dm float32
+// [groups, K / 32, 2, 16] (d, m). Each pass of kGroups x 16 features runs a register-blocked micro-kernel (6 rows x
+// 2 groups of int32 and float accumulators) over every row tile.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+#if defined(CONVEYOR_GGUF_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+using conveyor_gguf::kBlock;
+
+constexpr int kLanes = 16;
+constexpr int kGroups = 2;
+constexpr int kQuads = kBlock / 4;
+constexpr int64_t kPassFeatures = kGroups * kLanes;
+constexpr int64_t kBlockBytes = kBlock * kLanes;  // one group's quants of one block
+constexpr int kTileRows = 6;  // 6 x kGroups int32 and float accumulators, kGroups weight vectors: 26 registers
+// Rows per sweep over a thread's passes, so that their int8 activations stay in L1/L2 while each pass's quants are
+// read again: 48 against all rows at once, SmolLM2's layer linears at 256-512 rows: 570-593 / 537-564 GOP/s.
+#ifndef CHUNK
+#define CHUNK 48
+#endif
+constexpr int64_t kChunkRows = CHUNK;
+
+// x float32 [M, K] -> a int8 [M, K], dx and sa float32 [M, K / 32]: per block its scale and dx * sum(a).
+void quantize_rows(const float* x, int64_t num_rows, int64_t in_features, int8_t* a, float* dx, float* sa) {
+  const int64_t num_blocks = in_features / kBlock;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* xb = x + r * in_features + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + kLanes);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+      const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+      int8_t* ab = a + r * in_features + b * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtsepi32_epi8(i0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + kLanes), _mm512_cvtsepi32_epi8(i1));
+      dx[r * num_blocks + b] = scale;
+      sa[r * num_blocks + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+    }
+  }
+}
+
+struct Activations {
+  const int8_t* a;
+  const float* dx;
+  const float* sa;
+  int64_t in_features, num_blocks;
+};
+
+// out[r, 0:kPassFeatures] for `Rows` rows starting at row r0, over one pass's quants u and scales dm.
+template <int Rows>
+void int8_rows(const uint8_t* u, int64_t group_u, const float* dm, int64_t group_dm, const Activations& x,
+               int64_t r0, float* out, int64_t out_stride) {
+  __m512 acc[Rows][kGroups];
+  for (int r = 0; r < Rows; ++r)
+    for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.num_blocks; ++b) {
+    __m512i isum[Rows][kGroups];
+    for (int r = 0; r < Rows; ++r)
+      for (int g = 0; g < kGroups; ++g) isum[r][g] = _mm512_setzero_si512();
+    const uint8_t* ub = u + b * kBlockBytes;
+    const int8_t* ab = x.a + r0 * x.in_features + b * kBlock;
+    for (int t = 0; t < kQuads; ++t) {
+      __m512i wv[kGroups];
+      for (int g = 0; g < kGroups; ++g) wv[g] = _mm512_loadu_si512(ub + g * group_u + t * 4 * kLanes);
+      for (int r = 0; r < Rows; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, ab + r * x.in_features + t * 4, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int g = 0; g < kGroups; ++g) isum[r][g] = _mm512_dpbusd_epi32(isum[r][g], wv[g], xv);
+      }
+    }
+    for (int g = 0; g < kGroups; ++g) {
+      const float* dmb = dm + g * group_dm + b * 2 * kLanes;
+      const __m512 d = _mm512_loadu_ps(dmb), m = _mm512_loadu_ps(dmb + kLanes);
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t s = (r0 + r) * x.num_blocks + b;
+        const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(x.dx[s]));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][g]), scaled, acc[r][g]);
+        acc[r][g] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sa[s]), acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(out + r * out_stride + g * kLanes, acc[r][g]);
+}
+
+template <int... Rows>
+void int8_tile(int rows, const uint8_t* u, int64_t group_u, const float* dm, int64_t group_dm, const Activations& x,
+               int64_t r0, float* out, int64_t out_stride, std::integer_sequence<int, Rows...>) {
+  ((rows == Rows + 1 ? int8_rows<Rows + 1>(u, group_u, dm, group_dm, x, r0, out, out_stride) : void()), ...);
+}
+
+// Passes [p_begin, p_end), every row tile over each, kChunkRows rows at a time. A pass past the last feature (the weight is padded with zero
+// groups) is computed into scratch and only its real features copied out.
+void int8_passes(const uint8_t* u, const float* dm, const Activations& x, int64_t num_rows, float* out,
+                 int64_t out_features, int64_t p_begin, int64_t p_end) {
+  const int64_t group_u = x.num_blocks * kBlockBytes, group_dm = x.num_blocks * 2 * kLanes;
+  float scratch[kTileRows * kPassFeatures];
+  for (int64_t c0 = 0; c0 < num_rows; c0 += kChunkRows) {
+    const int64_t c1 = std::min(num_rows, c0 + kChunkRows);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t n0 = p * kPassFeatures;
+      const bool partial = n0 + kPassFeatures > out_features;
+      for (int64_t r0 = c0; r0 < c1; r0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, c1 - r0));
+        float* dst = partial ? scratch : out + r0 * out_features + n0;
+        int8_tile(rows, u + p * kGroups * group_u, group_u, dm + p * kGroups * group_dm, group_dm, x, r0, dst,
+                  partial ? kPassFeatures : out_features, std::make_integer_sequence<int, kTileRows>{});
+        for (int r = 0; partial && r < rows; ++r)
+          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
+                      (out_features - n0) * sizeof(float));
+      }
+    }
+  }
+}
+
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear_int8: x must be float32 [M, K]");
+  const int64_t in_features = x.size(1), num_blocks = in_features / kBlock;
+  TORCH_CHECK(in_features % kBlock == 0, "gguf_linear_int8: K must be a multiple of 32, got ", in_features);
+  const int64_t num_passes = (out_features + kPassFeatures - 1) / kPassFeatures;
+  TORCH_CHECK(u.scalar_type() == at::kByte && u.is_contiguous() && u.dim() == 5 &&
+                  u.size(0) == num_passes * kGroups && u.size(1) == num_blocks && u.size(2) == kQuads &&
+                  u.size(3) == kLanes && u.size(4) == 4,
+              "gguf_linear_int8: u is ", u.sizes(), ", expected [", num_passes * kGroups, ", ", num_blocks, ", ",
+              kQuads, ", ", kLanes, ", 4] from kernels.gguf.prepare_int8");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.dim() == 4 &&
+                  dm.size(0) == num_passes * kGroups && dm.size(1) == num_blocks && dm.size(2) == 2 &&
+                  dm.size(3) == kLanes,
+              "gguf_linear_int8: dm is ", dm.sizes(), ", expected from kernels.gguf.prepare_int8");
+  const at::Tensor xc = x.contiguous();
+  const int64_t num_rows = xc.size(0);
+  at::Tensor out = at::empty({num_rows, out_features}, x.options());
+  if (num_rows == 0) return out;
+  std::vector<int8_t> a(num_rows * in_features);
+  std::vector<float> dx(num_rows * num_blocks), sa(num_rows * num_blocks);
+  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    quantize_rows(xc.data_ptr<float>() + begin * in_features, end - begin, in_features, a.data() + begin * in_features,
+                  dx.data() + begin * num_blocks, sa.data() + begin * num_blocks);
+  });
+  const Activations acts{a.data(), dx.data(), sa.data(), in_features, num_blocks};
+  const uint8_t* up = u.data_ptr<uint8_t>();
+  const float* dmp = dm.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_passes, 1, [&](int64_t begin, int64_t end) {
+    int8_passes(up, dmp, acts, num_rows, op, out_features, begin, end);
+  });
+  return out;
+}
+
+}  // namespace
+
+// Registered only where it is compiled: torch.ops.conveyor_cpu.gguf_linear_int8 exists iff the CPU has AVX512-VNNI.
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def("gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
+  m.impl("gguf_linear_int8", &gguf_linear_int8);
+}
+#endif
