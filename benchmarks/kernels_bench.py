@@ -10,7 +10,7 @@
     gguf-linear       a model's GGUF-block layer linears by step rows: GGUF's rows of blocks, the feature-interleaved
                       copy and oneDNN's packed fp32 (cold weights: every layer's own, as a decode step reads them);
                       where bf16 is native also the interleaved copy with bf16 products and oneDNN's packed bf16
-                      (cpu_prefill_dtype bfloat16's two paths)
+                      (cpu_prefill_dtype bfloat16's two paths), with AVX512-VNNI the int8 kernel (int8's)
 
 Shapes are SmolLM2-135M's (9 query heads : 3 KV heads, head_dim 64, block 16, float32) unless an option says
 otherwise. Needs the C++ CPU extension (built at set-up). Run from the repository root:
@@ -154,12 +154,16 @@ def gguf_linear(args: argparse.Namespace) -> None:
     ggml_type = {"Q4_1": gguf.Q4_1, "Q8_0": gguf.Q8_0}[args.type]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     bf16 = gguf.has_bf16_kernel() and torch.bfloat16 in packable_dtypes()
+    int8 = gguf.has_int8_kernel()
     weights = []
     for _ in range(args.layers):
         for out_features, in_features in shapes:
             dense = torch.randn(out_features, in_features)
             packed = {"fp32": PackedLinear(dense, None)} | ({"bf16": Bfloat16PackedLinear(dense, None)} if bf16 else {})
-            weights.append((gguf.prepare(quantize(dense, ggml_type), ggml_type, in_features), packed))
+            prepared = gguf.prepare(quantize(dense, ggml_type), ggml_type, in_features)
+            if int8:
+                packed["int8"] = gguf.prepare_int8(prepared)
+            weights.append((prepared, packed))
     flop_per_row = sum(2 * w.out_features * w.in_features for w, _ in weights)
     kernels = {
         "GGUF rows": lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear_rows(x, w.blocks, w.ggml_type, w.out_features),
@@ -171,6 +175,8 @@ def gguf_linear(args: argparse.Namespace) -> None:
         kernels["interleaved bf16"] = lambda w, x, _: torch.ops.conveyor_cpu.gguf_linear_bf16(
             x, w.q, w.scales, w.ggml_type, w.out_features)
         kernels["packed bf16"] = lambda w, x, dense: dense["bf16"](x)
+    if int8:
+        kernels["int8"] = lambda w, x, dense: gguf.gguf_linear_int8(x, dense["int8"])
     print(f"{args.type}, {len(weights)} linears, {torch.get_num_threads()} threads; ms per pass over all of them")
     print("| rows | " + " | ".join(kernels) + " | best GFLOP/s |\n|" + "---|" * (len(kernels) + 2))
     for num_rows in (int(r) for r in args.rows.split(",")):
@@ -207,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (the engine's default: 16)")
     p.set_defaults(fn=kv_dtype)
 
-    p = sub.add_parser("gguf-linear", help="GGUF layer linears by rows: GGUF rows, interleaved, packed (fp32, bf16)")
+    p = sub.add_parser("gguf-linear", help="GGUF layer linears by rows: GGUF rows, interleaved, packed, int8")
     p.add_argument("--type", default="Q4_1", choices=["Q4_1", "Q8_0"])
     p.add_argument("--shapes", default=SMOLLM2_LINEARS, help="OUTxIN per linear of one layer")
     p.add_argument("--layers", type=int, default=LAYERS)
