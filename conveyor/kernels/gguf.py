@@ -4,7 +4,9 @@ The CPU kernels expand the quants to float32 in registers and multiply with floa
 what the dequantized weights compute, up to summation order, while reading 5 (Q4_1) or 8.5 (Q8_0) bits per weight
 instead of 32. `prepare` (once, at load time) keeps GGUF's rows of blocks for the smallest steps
 (csrc/cpu/gguf_rows_cpu.cpp) and a copy with groups of output features interleaved for the rest
-(csrc/cpu/gguf_linear_cpu.cpp); `gguf_linear` picks by the step's rows.
+(csrc/cpu/gguf_linear_cpu.cpp); `gguf_linear` picks by the step's rows. `prepare_int8` adds a layout for the
+int8-activation kernel (csrc/cpu/gguf_int8_cpu.cpp, cpu_prefill_dtype int8), which rounds each block of 32
+activations to int8 as llama.cpp does instead of computing what the dequantized weights compute.
 """
 from __future__ import annotations
 
@@ -121,13 +123,17 @@ def has_bf16_kernel() -> bool:
     return cpu_ext.has_op("gguf_linear_bf16")
 
 
-def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None = None) -> torch.Tensor:
-    """x float32 [..., K] @ W^T -> float32 [..., out_features]; bias is the caller's. bf16_min_rows: steps of at
-    least that many rows round weights and activations to bf16 (has_bf16_kernel() must hold); None: never.
+def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None = None,
+                int8_weight: Int8Weight | None = None) -> torch.Tensor:
+    """x float32 [..., K] @ W^T -> float32 [..., out_features]; bias is the caller's. Steps past the rows kernel
+    take the int8 kernel where int8_weight (prepare_int8 of weight) is given (has_int8_kernel() must hold), else
+    from bf16_min_rows rows round weights and activations to bf16 (has_bf16_kernel() must hold; None: never).
     The ops must be registered: check is_available() first (it loads the extension)."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] <= ROWS_KERNEL_MAX_ROWS[weight.ggml_type]:
         out = torch.ops.conveyor_cpu.gguf_linear_rows(flat, weight.blocks, weight.ggml_type, weight.out_features)
+    elif int8_weight is not None:
+        out = gguf_linear_int8(flat, int8_weight)
     elif bf16_min_rows is not None and flat.shape[0] >= bf16_min_rows:
         out = torch.ops.conveyor_cpu.gguf_linear_bf16(flat, weight.q, weight.scales, weight.ggml_type,
                                                       weight.out_features)

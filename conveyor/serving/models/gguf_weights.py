@@ -134,13 +134,9 @@ class GGUFLinear(nn.Module):
         return self.weight.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        num_rows = x.numel() // x.shape[-1]
-        if num_rows > self.max_rows:
+        if x.numel() // x.shape[-1] > self.max_rows:
             return self.dense(x)
-        if self.int8_weight is not None and num_rows > gguf.ROWS_KERNEL_MAX_ROWS[self.ggml_type]:
-            out = gguf.gguf_linear_int8(x, self.int8_weight)
-        else:
-            out = gguf.gguf_linear(x, self.weight, self.bf16_min_rows)
+        out = gguf.gguf_linear(x, self.weight, self.bf16_min_rows, self.int8_weight)
         return out if self.bias is None else out + self.bias
 
 
