@@ -10,7 +10,7 @@
     gguf-linear       a model's GGUF-block layer linears by step rows: GGUF's rows of blocks, the feature-interleaved
                       copy and oneDNN's packed fp32 (cold weights: every layer's own, as a decode step reads them);
                       where bf16 is native also the interleaved copy with bf16 products and oneDNN's packed bf16
-                      (cpu_prefill_dtype bfloat16's two paths), with AVX512-VNNI the int8 kernel (int8's)
+                      (cpu_prefill_dtype bfloat16's two paths), with AVX512-VNNI or AVX2 the int8 kernel (int8's)
 
 Shapes are SmolLM2-135M's (9 query heads : 3 KV heads, head_dim 64, block 16, float32) unless an option says
 otherwise. Needs the C++ CPU extension (built at set-up). Run from the repository root:

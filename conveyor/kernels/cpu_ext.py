@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 _CSRC = pathlib.Path(__file__).parent / "csrc" / "cpu"
 SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "prefill_attention_cpu.cpp", _CSRC / "fused_ops_cpu.cpp",
            _CSRC / "gguf_linear_cpu.cpp", _CSRC / "gguf_rows_cpu.cpp", _CSRC / "gguf_bf16_cpu.cpp",
-           _CSRC / "gguf_int8_cpu.cpp", _CSRC / "token_bitmask_cpu.cpp", _CSRC / "sampling_cpu.cpp",
+           _CSRC / "gguf_int8_cpu.cpp", _CSRC / "gguf_int8_avx2_cpu.cpp",
+           _CSRC / "token_bitmask_cpu.cpp", _CSRC / "sampling_cpu.cpp",
            _CSRC / "decode_stack_cpu.cpp", _CSRC / "moe_experts_cpu.cpp"]
 # torch's SIMD levels the kernels are compiled with vectors for (at::vec::Vectorized, see _flags); below them
 # the portable loops run.

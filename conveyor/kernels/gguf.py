@@ -5,8 +5,9 @@ what the dequantized weights compute, up to summation order, while reading 5 (Q4
 instead of 32. `prepare` (once, at load time) keeps GGUF's rows of blocks for the smallest steps
 (csrc/cpu/gguf_rows_cpu.cpp) and a copy with groups of output features interleaved for the rest
 (csrc/cpu/gguf_linear_cpu.cpp); `gguf_linear` picks by the step's rows. `prepare_int8` adds a layout for the
-int8-activation kernel (csrc/cpu/gguf_int8_cpu.cpp, cpu_prefill_dtype int8), which rounds each block of 32
-activations to int8 as llama.cpp does instead of computing what the dequantized weights compute.
+int8-activation kernel (csrc/cpu/gguf_int8_cpu.cpp, AVX2: gguf_int8_avx2_cpu.cpp; cpu_prefill_dtype int8), which
+rounds each block of 32 activations to int8 as llama.cpp does instead of computing what the dequantized weights
+compute.
 """
 from __future__ import annotations
 
@@ -146,11 +147,13 @@ def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None =
 class Int8Weight:
     """A GGUFWeight's quants laid out for the int8 kernel (gguf_int8_cpu.cpp): u uint8 [groups, K / 32, 8, 16, 4],
     per block eight quads of four consecutive inputs with each feature lane's four together, unsigned (Q8_0: q + 128);
-    dm float32 [groups, K / 32, 2, 16], d and m of w = d * u + m (Q8_0: m = -128 d)."""
+    dm float32 [groups, K / 32, 2, 16], d and m of w = d * u + m (Q8_0: m = -128 d); max_quant the largest u can be
+    (the AVX2 kernel sums 4-bit products in int16). On AVX2 the lanes are 8, as gguf_prepare's."""
 
     u: torch.Tensor
     dm: torch.Tensor
     out_features: int
+    max_quant: int
 
 
 def prepare_int8(weight: GGUFWeight) -> Int8Weight:
@@ -166,7 +169,8 @@ def prepare_int8(weight: GGUFWeight) -> Int8Weight:
     scales = weight.scales.float()
     d = scales[:, :, 0]
     m = -128.0 * d if weight.ggml_type == Q8_0 else scales[:, :, 1]
-    return Int8Weight(u, torch.stack([d, m], dim=2).contiguous(), weight.out_features)
+    max_quant = 255 if weight.ggml_type == Q8_0 else 15
+    return Int8Weight(u, torch.stack([d, m], dim=2).contiguous(), weight.out_features, max_quant)
 
 
 def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
@@ -187,12 +191,13 @@ def int8_linear_reference(x: torch.Tensor, dequantized: torch.Tensor) -> torch.T
 
 
 def has_int8_kernel() -> bool:
-    """Whether the int8-activation kernel is built here: it needs AVX512-VNNI."""
+    """Whether the int8-activation kernel is built here: it needs AVX512-VNNI or AVX2."""
     return cpu_ext.has_op("gguf_linear_int8")
 
 
 def gguf_linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x float32 [..., K] @ W^T with int8-rounded activations (round_activations_int8); bias is the caller's."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.conveyor_cpu.gguf_linear_int8(flat, weight.u, weight.dm, weight.out_features)
+    out = torch.ops.conveyor_cpu.gguf_linear_int8(flat, weight.u, weight.dm, weight.out_features,
+                                                 weight.max_quant)
     return out.view(*x.shape[:-1], weight.out_features)

@@ -142,7 +142,8 @@ class LLMEngine(PromptSide):
             raise ValueError("cpu_prefill_dtype int8 applies to a GGUF model's linears on CPU in float32 with "
                              "gguf_max_rows > 0; this engine reads no GGUF blocks")
         if not gguf.has_int8_kernel():
-            raise ValueError("cpu_prefill_dtype int8 needs a CPU with AVX512-VNNI (the int8 kernel's vpdpbusd)")
+            raise ValueError("cpu_prefill_dtype int8 needs a CPU with AVX512-VNNI or AVX2 (the int8 kernels' "
+                             "vpdpbusd, vpmaddubsw)")
         count = multiply_in_int8(self.model)
         logger.info("%d linears multiply steps of > %d rows (up to %d) with int8 activations", count,
                     gguf.ROWS_KERNEL_MAX_ROWS[gguf.Q4_1], self.gguf_max_rows)

@@ -153,7 +153,7 @@ def test_bf16_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
         torch.ops.conveyor_cpu.gguf_linear_bf16(torch.randn(9, 64), prepared.q, prepared.scales, 2, 40)
 
 
-int8_kernel = pytest.mark.skipif(not gguf.has_int8_kernel(), reason="no AVX512-VNNI: no int8 kernel here")
+int8_kernel = pytest.mark.skipif(not gguf.has_int8_kernel(), reason="no AVX512-VNNI nor AVX2: no int8 kernel here")
 
 
 @int8_kernel
@@ -163,7 +163,7 @@ int8_kernel = pytest.mark.skipif(not gguf.has_int8_kernel(), reason="no AVX512-V
 def test_int8_kernel_matches_the_matmul_of_int8_rounded_activations(ggml_type: int, num_rows: int,
                                                                     shape: tuple[int, int]) -> None:
     """Each block of 32 activations rounded to int8 at its own scale, times the dequantized weight: only the
-    summation order differs (tiles of 6 rows, sweeps of 48, a last pass of padded features all covered)."""
+    summation order differs (tiles of 6 rows (AVX2: 4), sweeps of 48, a last pass of padded features all covered)."""
     out_features, in_features = shape
     blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(4))
@@ -175,6 +175,25 @@ def test_int8_kernel_matches_the_matmul_of_int8_rounded_activations(ggml_type: i
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
     if num_rows:
         assert not torch.allclose(out, x @ weight.T, atol=1e-4, rtol=0)  # really rounded
+
+
+@int8_kernel
+@pytest.mark.parametrize("ggml_type", TYPES, ids=gguf.TYPE_NAMES.get)
+def test_int8_kernel_sums_the_largest_products_without_saturating(ggml_type: int) -> None:
+    """Every quant at its extreme times every activation at +-127: the AVX2 kernel's int16 pair sums would
+    saturate for Q8_0 (2 * 255 * 127 > 32767) without its sign trick, and a Q4_1 block's sums come nearest 32767."""
+    in_features = 256
+    weight = torch.ones(32, in_features)
+    weight[1::2] = -1.0  # Q8_0: q = +-127 (u = 255, 1)
+    weight[::4, ::2] = 0.0  # Q4_1: u = 0 and 15 side by side
+    blocks = quantize(weight, ggml_type)
+    int8_weight = gguf.prepare_int8(gguf.prepare(blocks, ggml_type, in_features))
+    x = torch.ones(4, in_features)
+    x[1] = -1.0
+    x[2, 1::2] = -1.0
+    out = gguf.gguf_linear_int8(x, int8_weight)
+    expected = gguf.int8_linear_reference(x, gguf.dequantize(blocks, ggml_type, in_features))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
 def test_int8_rounding_keeps_each_block_on_its_own_grid() -> None:
@@ -195,6 +214,6 @@ def test_int8_rounding_keeps_each_block_on_its_own_grid() -> None:
 def test_int8_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
     int8_weight = gguf.prepare_int8(gguf.prepare(random_blocks(40, 64, gguf.Q4_1), gguf.Q4_1, 64))
     with pytest.raises(RuntimeError, match="expected"):
-        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 96), int8_weight.u, int8_weight.dm, 40)
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 96), int8_weight.u, int8_weight.dm, 40, 15)
     with pytest.raises(RuntimeError, match="expected"):
-        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 64), int8_weight.u, int8_weight.dm, 80)
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 64), int8_weight.u, int8_weight.dm, 80, 15)

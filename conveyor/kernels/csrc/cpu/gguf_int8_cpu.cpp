@@ -138,7 +138,10 @@ void int8_passes(const uint8_t* u, const float* dm, const Activations& x, int64_
   }
 }
 
-at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features) {
+// max_quant (the weight's largest quant) matters only to the AVX2 kernel (gguf_int8_avx2_cpu.cpp): vpdpbusd's sums
+// are int32 from the first product.
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features,
+                            int64_t /*max_quant*/) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear_int8: x must be float32 [M, K]");
   const int64_t in_features = x.size(1), num_blocks = in_features / kBlock;
   TORCH_CHECK(in_features % kBlock == 0, "gguf_linear_int8: K must be a multiple of 32, got ", in_features);
@@ -174,9 +177,9 @@ at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::
 
 }  // namespace
 
-// Registered only where it is compiled: torch.ops.conveyor_cpu.gguf_linear_int8 exists iff the CPU has AVX512-VNNI.
+// Registered only where it is compiled (AVX512-VNNI); gguf_int8_avx2_cpu.cpp registers the op on AVX2 CPUs without it.
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int out_features) -> Tensor");
+  m.def("gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int out_features, int max_quant) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
