@@ -15,30 +15,26 @@
 // of int accumulators, float accumulators in a small array that stays in L1.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
-#include <vector>
 
-#include "gguf_blocks.h"
+#include "gguf_int8.h"
 
 #if defined(CONVEYOR_GGUF_AVX2) && !(defined(CONVEYOR_GGUF_AVX512) && defined(__AVX512VNNI__) && \
                                       defined(__AVX512BW__))
 namespace {
 
-using conveyor_gguf::kBlock;
+using conveyor_int8::Activations;
+using conveyor_int8::kBlock;
+using conveyor_int8::kGroups;
+using conveyor_int8::kQuads;
 
 constexpr int kLanes = 8;
-constexpr int kGroups = 2;
-constexpr int kQuads = kBlock / 4;
-constexpr int64_t kPassFeatures = kGroups * kLanes;
 constexpr int64_t kBlockBytes = kBlock * kLanes;
 constexpr int kTileRows = 4;
-constexpr int64_t kChunkRows = 48;  // rows per sweep over a thread's passes: their activations stay in L1/L2
 constexpr int64_t kMaxNarrowQuant = 16;
 
 float reduce_max(__m256 v) {
@@ -86,14 +82,6 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t in_features, int8_t
   }
 }
 
-struct Activations {
-  const int8_t* a;
-  const float* dx;
-  const int32_t* ia;
-  const float* sa;
-  int64_t in_features, num_blocks;
-};
-
 // One quad of inputs for a broadcast quad xv: Narrow, int16 pair sums of u * a (w = u), widened by the caller once
 // a block; else int32 sums of q * a (w = q = u - 128, abs_q = |q|).
 template <bool Narrow>
@@ -106,7 +94,7 @@ inline __m256i quad_products(__m256i w, __m256i abs_q, __m256i xv) {
   }
 }
 
-// out[r, 0:kPassFeatures] for `Rows` rows from r0, over one pass's quants u and scales dm.
+// out[r, 0:kGroups * kLanes] for `Rows` rows from r0, over one pass's quants u and scales dm.
 template <int Rows, bool Narrow>
 void int8_rows(const uint8_t* u, int64_t group_u, const float* dm, int64_t group_dm, const Activations& x,
                int64_t r0, float* out, int64_t out_stride) {
@@ -160,77 +148,36 @@ void int8_tile(int rows, const uint8_t* u, int64_t group_u, const float* dm, int
   ((rows == Rows + 1 ? int8_rows<Rows + 1, Narrow>(u, group_u, dm, group_dm, x, r0, out, out_stride) : void()), ...);
 }
 
-// Passes [p_begin, p_end), every row tile over each, kChunkRows rows at a time; a pass past the last feature (the
-// weight is padded with zero groups) is computed into scratch and only its real features copied out.
 template <bool Narrow>
-void int8_passes(const uint8_t* u, const float* dm, const Activations& x, int64_t num_rows, float* out,
-                 int64_t out_features, int64_t p_begin, int64_t p_end) {
-  const int64_t group_u = x.num_blocks * kBlockBytes, group_dm = x.num_blocks * 2 * kLanes;
-  float scratch[kTileRows * kPassFeatures];
-  for (int64_t c0 = 0; c0 < num_rows; c0 += kChunkRows) {
-    const int64_t c1 = std::min(num_rows, c0 + kChunkRows);
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const int64_t n0 = p * kPassFeatures;
-      const bool partial = n0 + kPassFeatures > out_features;
-      for (int64_t r0 = c0; r0 < c1; r0 += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, c1 - r0));
-        float* dst = partial ? scratch : out + r0 * out_features + n0;
-        int8_tile<Narrow>(rows, u + p * kGroups * group_u, group_u, dm + p * kGroups * group_dm, group_dm, x, r0,
-                          dst, partial ? kPassFeatures : out_features, std::make_integer_sequence<int, kTileRows>{});
-        for (int r = 0; partial && r < rows; ++r)
-          std::memcpy(out + (r0 + r) * out_features + n0, scratch + r * kPassFeatures,
-                      (out_features - n0) * sizeof(float));
-      }
-    }
-  }
+void int8_passes(const at::Tensor& u, const at::Tensor& dm, const Activations& acts, int64_t num_rows, float* out,
+                 int64_t out_features, int64_t begin, int64_t end) {
+  auto tile = [&](int rows, const uint8_t* pu, int64_t group_u, const float* pdm, int64_t group_dm, int64_t r0,
+                  float* dst, int64_t stride) {
+    int8_tile<Narrow>(rows, pu, group_u, pdm, group_dm, acts, r0, dst, stride,
+                      std::make_integer_sequence<int, kTileRows>{});
+  };
+  conveyor_int8::int8_passes<kLanes, kTileRows>(u.data_ptr<uint8_t>(), dm.data_ptr<float>(), acts, num_rows, out,
+                                                out_features, begin, end, tile);
 }
 
 at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features,
                             int64_t max_quant) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear_int8: x must be float32 [M, K]");
-  const int64_t in_features = x.size(1), num_blocks = in_features / kBlock;
-  TORCH_CHECK(in_features % kBlock == 0, "gguf_linear_int8: K must be a multiple of 32, got ", in_features);
-  const int64_t num_passes = (out_features + kPassFeatures - 1) / kPassFeatures;
-  TORCH_CHECK(u.scalar_type() == at::kByte && u.is_contiguous() && u.dim() == 5 &&
-                  u.size(0) == num_passes * kGroups && u.size(1) == num_blocks && u.size(2) == kQuads &&
-                  u.size(3) == kLanes && u.size(4) == 4,
-              "gguf_linear_int8: u is ", u.sizes(), ", expected [", num_passes * kGroups, ", ", num_blocks, ", ",
-              kQuads, ", ", kLanes, ", 4] from kernels.gguf.prepare_int8");
-  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.dim() == 4 &&
-                  dm.size(0) == num_passes * kGroups && dm.size(1) == num_blocks && dm.size(2) == 2 &&
-                  dm.size(3) == kLanes,
-              "gguf_linear_int8: dm is ", dm.sizes(), ", expected from kernels.gguf.prepare_int8");
   TORCH_CHECK(max_quant >= 0 && max_quant <= 255, "gguf_linear_int8: max_quant must be 0-255, got ", max_quant);
-  const at::Tensor xc = x.contiguous();
-  const int64_t num_rows = xc.size(0);
-  at::Tensor out = at::empty({num_rows, out_features}, x.options());
-  if (num_rows == 0) return out;
-  std::vector<int8_t> a(num_rows * in_features);
-  std::vector<float> dx(num_rows * num_blocks), sa(num_rows * num_blocks);
-  std::vector<int32_t> ia(num_rows * num_blocks);
-  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
-    quantize_rows(xc.data_ptr<float>() + begin * in_features, end - begin, in_features, a.data() + begin * in_features,
-                  dx.data() + begin * num_blocks, ia.data() + begin * num_blocks, sa.data() + begin * num_blocks);
-  });
-  const Activations acts{a.data(), dx.data(), ia.data(), sa.data(), in_features, num_blocks};
-  const uint8_t* up = u.data_ptr<uint8_t>();
-  const float* dmp = dm.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const bool narrow = max_quant <= kMaxNarrowQuant;
-  at::parallel_for(0, num_passes, 1, [&](int64_t begin, int64_t end) {
+  auto passes = [&](const Activations& acts, int64_t num_rows, float* out, int64_t begin, int64_t end) {
     if (narrow)
-      int8_passes<true>(up, dmp, acts, num_rows, op, out_features, begin, end);
+      int8_passes<true>(u, dm, acts, num_rows, out, out_features, begin, end);
     else
-      int8_passes<false>(up, dmp, acts, num_rows, op, out_features, begin, end);
-  });
-  return out;
+      int8_passes<false>(u, dm, acts, num_rows, out, out_features, begin, end);
+  };
+  return conveyor_int8::int8_linear<kLanes>(x, u, dm, out_features, quantize_rows, passes);
 }
 
 }  // namespace
 
 // Registered only where it is compiled, and only where gguf_int8_cpu.cpp's VNNI kernel is not.
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int out_features, int max_quant) -> Tensor");
+  m.def(conveyor_int8::kSchema);
 }
 
 TORCH_LIBRARY_IMPL(conveyor_cpu, CPU, m) {
