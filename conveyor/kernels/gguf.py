@@ -147,13 +147,13 @@ def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bf16_min_rows: int | None =
 class Int8Weight:
     """A GGUFWeight's quants laid out for the int8 kernel (gguf_int8_cpu.cpp): u uint8 [groups, K / 32, 8, 16, 4],
     per block eight quads of four consecutive inputs with each feature lane's four together, unsigned (Q8_0: q + 128);
-    dm float32 [groups, K / 32, 2, 16], d and m of w = d * u + m (Q8_0: m = -128 d); max_quant the largest u can be
-    (the AVX2 kernel sums 4-bit products in int16). On AVX2 the lanes are 8, as gguf_prepare's."""
+    dm float32 [groups, K / 32, 2, 16], d and m of w = d * u + m (Q8_0: m = -128 d). On AVX2 the lanes are 8, as
+    gguf_prepare's, and the kernel picks its int16 or int32 sums by ggml_type."""
 
     u: torch.Tensor
     dm: torch.Tensor
+    ggml_type: int
     out_features: int
-    max_quant: int
 
 
 def prepare_int8(weight: GGUFWeight) -> Int8Weight:
@@ -169,8 +169,7 @@ def prepare_int8(weight: GGUFWeight) -> Int8Weight:
     scales = weight.scales.float()
     d = scales[:, :, 0]
     m = -128.0 * d if weight.ggml_type == Q8_0 else scales[:, :, 1]
-    max_quant = 255 if weight.ggml_type == Q8_0 else 15
-    return Int8Weight(u, torch.stack([d, m], dim=2).contiguous(), weight.out_features, max_quant)
+    return Int8Weight(u, torch.stack([d, m], dim=2).contiguous(), weight.ggml_type, weight.out_features)
 
 
 def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +197,6 @@ def has_int8_kernel() -> bool:
 def gguf_linear_int8(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x float32 [..., K] @ W^T with int8-rounded activations (round_activations_int8); bias is the caller's."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.conveyor_cpu.gguf_linear_int8(flat, weight.u, weight.dm, weight.out_features,
-                                                 weight.max_quant)
+    out = torch.ops.conveyor_cpu.gguf_linear_int8(flat, weight.u, weight.dm, weight.ggml_type,
+                                                 weight.out_features)
     return out.view(*x.shape[:-1], weight.out_features)

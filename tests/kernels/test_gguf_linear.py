@@ -214,6 +214,6 @@ def test_int8_rounding_keeps_each_block_on_its_own_grid() -> None:
 def test_int8_kernel_rejects_a_layout_it_was_not_prepared_for() -> None:
     int8_weight = gguf.prepare_int8(gguf.prepare(random_blocks(40, 64, gguf.Q4_1), gguf.Q4_1, 64))
     with pytest.raises(RuntimeError, match="expected"):
-        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 96), int8_weight.u, int8_weight.dm, 40, 15)
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 96), int8_weight.u, int8_weight.dm, gguf.Q4_1, 40)
     with pytest.raises(RuntimeError, match="expected"):
-        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 64), int8_weight.u, int8_weight.dm, 80, 15)
+        torch.ops.conveyor_cpu.gguf_linear_int8(torch.randn(9, 64), int8_weight.u, int8_weight.dm, gguf.Q4_1, 80)

@@ -16,8 +16,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "gguf_blocks.h"
-
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 14;
@@ -31,7 +29,6 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // The registered kernels' signatures, exactly as each .cpp registers them.
 using LinearRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
-using LinearInt8Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNormFn = void(at::Tensor, at::Tensor, const at::Tensor&, double);
 using RopeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
@@ -65,8 +62,8 @@ const c10::TypedOperatorHandle<LinearFn>& linear_bf16() {
 
 // The int8-activation kernel, registered where AVX512-VNNI or AVX2 is (gguf_int8_cpu.cpp, gguf_int8_avx2_cpu.cpp):
 // looked up on first use.
-const c10::TypedOperatorHandle<LinearInt8Fn>& linear_int8() {
-  static const auto handle = op<LinearInt8Fn>("conveyor_cpu::gguf_linear_int8");
+const c10::TypedOperatorHandle<LinearFn>& linear_int8() {
+  static const auto handle = op<LinearFn>("conveyor_cpu::gguf_linear_int8");
   return handle;
 }
 
@@ -77,7 +74,7 @@ at::Tensor linear(const Kernels& k, const at::Tensor& x, const at::Tensor* w, in
                   int64_t bf16_min_rows, bool int8) {
   const int64_t out_features = w[0].size(0);
   if (x.size(0) <= max_rows_kernel) return k.linear_rows.call(x, w[0], type, out_features);
-  if (int8) return linear_int8().call(x, w[1], w[2], out_features, type == conveyor_gguf::kTypeQ8_0 ? 255 : 15);
+  if (int8) return linear_int8().call(x, w[1], w[2], type, out_features);
   if (bf16_min_rows > 0 && x.size(0) >= bf16_min_rows) return linear_bf16().call(x, w[1], w[2], type, out_features);
   return k.linear.call(x, w[1], w[2], type, out_features);
 }

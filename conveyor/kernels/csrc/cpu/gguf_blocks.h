@@ -26,5 +26,8 @@ constexpr int kPassGroups = 2;
 // Quant bytes per input and feature lane in gguf_prepare's layout: Q4_1 keeps GGUF's nibble pairs (inputs j and
 // 16 + j of a block in one byte), Q8_0 one int8.
 constexpr int64_t quant_rows_per_block(int64_t type) { return type == kTypeQ4_1 ? kBlock / 2 : kBlock; }
+// The largest unsigned quant of kernels/gguf.py prepare_int8's layout (Q8_0 as q + 128): what the AVX2 int8 kernel's
+// int16 sums must hold.
+constexpr int64_t max_int8_quant(int64_t type) { return type == kTypeQ4_1 ? 15 : 255; }
 
 }  // namespace conveyor_gguf

@@ -24,7 +24,7 @@ constexpr int kQuads = kBlock / 4;
 constexpr int64_t kChunkRows = 48;
 // The op's schema, one for both kernels (each file registers it where it is the one compiled).
 constexpr const char* kSchema =
-    "gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int out_features, int max_quant) -> Tensor";
+    "gguf_linear_int8(Tensor x, Tensor u, Tensor dm, int ggml_type, int out_features) -> Tensor";
 
 // The activations rounded to int8 a block of 32 at a time: a [M, K], and per block its scale dx, the sum of its
 // int8s ia, and sa = dx * ia.

@@ -3,8 +3,9 @@
 //
 // Why: on such a CPU oneDNN's fp32 GEMM is the prefill's limit (16 multiply-adds a cycle a core at best), while
 // vpmaddubsw multiplies 32 unsigned weight quants by 32 int8 activations a cycle in pairs. Its int16 pair sums
-// saturate past 32767, so the kernel has two paths, picked by the weight's largest quant (max_quant):
-// - 4-bit quants (Q4_1, max_quant <= 16): a pair sum is at most 2 * 16 * 127, so the int16 sums of a block's eight
+// saturate past 32767, so the kernel has two paths, picked by the weight's largest quant (gguf_blocks.h
+// max_int8_quant of its type):
+// - 4-bit quants (Q4_1, at most 15 <= 16): a pair sum is at most 2 * 16 * 127, so the int16 sums of a block's eight
 //   quads add up in int16 without overflow (8 * 4064 < 32767) and are widened to int32 once a block (vpmaddwd);
 // - 8-bit quants (Q8_0: u = q + 128 <= 255): llama.cpp's sign trick on q = u - 128, |q| times a with q's sign
 //   (pairs <= 2 * 128 * 127), widened every quad; sum(u * a) = sum(q * a) + 128 * sum(a), in int32, exact.
@@ -160,10 +161,11 @@ void int8_passes(const at::Tensor& u, const at::Tensor& dm, const Activations& a
                                                 out_features, begin, end, tile);
 }
 
-at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features,
-                            int64_t max_quant) {
-  TORCH_CHECK(max_quant >= 0 && max_quant <= 255, "gguf_linear_int8: max_quant must be 0-255, got ", max_quant);
-  const bool narrow = max_quant <= kMaxNarrowQuant;
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t ggml_type,
+                            int64_t out_features) {
+  TORCH_CHECK(ggml_type == conveyor_gguf::kTypeQ4_1 || ggml_type == conveyor_gguf::kTypeQ8_0,
+              "gguf_linear_int8: unsupported ggml type ", ggml_type);
+  const bool narrow = conveyor_gguf::max_int8_quant(ggml_type) <= kMaxNarrowQuant;
   auto passes = [&](const Activations& acts, int64_t num_rows, float* out, int64_t begin, int64_t end) {
     if (narrow)
       int8_passes<true>(u, dm, acts, num_rows, out, out_features, begin, end);

@@ -101,10 +101,10 @@ void int8_tile(int rows, const uint8_t* u, int64_t group_u, const float* dm, int
   ((rows == Rows + 1 ? int8_rows<Rows + 1>(u, group_u, dm, group_dm, x, r0, out, out_stride) : void()), ...);
 }
 
-// max_quant (the weight's largest quant) matters only to the AVX2 kernel (gguf_int8_avx2_cpu.cpp): vpdpbusd's sums
-// are int32 from the first product.
-at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t out_features,
-                            int64_t /*max_quant*/) {
+// The weight's type matters only to the AVX2 kernel (gguf_int8_avx2_cpu.cpp): vpdpbusd's sums are int32 from the
+// first product, and the layout's d and m already carry each type's arithmetic.
+at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t /*ggml_type*/,
+                            int64_t out_features) {
   auto passes = [&](const Activations& acts, int64_t num_rows, float* out, int64_t begin, int64_t end) {
     auto tile = [&](int rows, const uint8_t* pu, int64_t group_u, const float* pdm, int64_t group_dm, int64_t r0,
                     float* dst, int64_t stride) {
