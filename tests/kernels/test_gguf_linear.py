@@ -163,7 +163,7 @@ int8_kernel = pytest.mark.skipif(not gguf.has_int8_kernel(), reason="no AVX512-V
 def test_int8_kernel_matches_the_matmul_of_int8_rounded_activations(ggml_type: int, num_rows: int,
                                                                     shape: tuple[int, int]) -> None:
     """Each block of 32 activations rounded to int8 at its own scale, times the dequantized weight: only the
-    summation order differs (tiles of 6 rows (AVX2: 4), sweeps of 48, a last pass of padded features all covered)."""
+    summation order differs (tiles of 6 rows (AVX2: 3), sweeps of 48, a last pass of padded features all covered)."""
     out_features, in_features = shape
     blocks = random_blocks(out_features, in_features, ggml_type, seed=num_rows)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(4))
