@@ -182,7 +182,7 @@ class EngineConfig:
         "8 rows or more too; bfloat16 needs AVX512-BF16 or AMX, ~1.8x the float32 rate, and rounds those "
         "matmuls' inputs and weights to bf16, so greedy outputs may differ from float32's; int8 (AVX512-VNNI "
         "or AVX2) multiplies every step past 3 rows (Q8_0: 6) over the blocks with each block of 32 activations "
-        "rounded to int8, llama.cpp's arithmetic, ~1.5x bfloat16's rate (AVX2: 1.2-1.6x float32's), with the same "
+        "rounded to int8, llama.cpp's arithmetic, ~1.5x bfloat16's rate (AVX2: 1.8-2.2x float32's), with the same "
         "caveat",
         choices=CPU_PREFILL_DTYPES)
     # The CPU's CUDA graph: ~10 Python-driven kernel calls per layer become one C++ call, bit-identical.
