@@ -155,7 +155,7 @@ def run_inproc_target(args: argparse.Namespace) -> TargetRun:
     try:
         for i, rate in enumerate(args.request_rates):
             plan = plan_point(args, rate, i)
-            results, _ = asyncio.run(run_inproc(engine, plan.requests, plan.offsets))
+            results, _ = asyncio.run(run_inproc(engine, plan.requests, plan.offsets, args.max_concurrency))
             measured, duration = measured_window(plan, results)
             summary = summarize(measured, duration, rate, parse_goodput(args.goodput))
             run.rows.append(summary)

@@ -3,6 +3,7 @@ where the serving stack's overhead would only blur the step timings being compar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from conveyor.bench.metrics import HTTP_TOO_MANY_REQUESTS, RequestResult
@@ -48,13 +49,17 @@ async def stream_one(engine: AsyncEngine, req: BenchRequest, t0: float, timeout_
     return res
 
 
-async def run_inproc(engine: AsyncEngine, reqs: list[BenchRequest], offsets: list[float]
-                     ) -> tuple[list[RequestResult], float]:
+async def run_inproc(engine: AsyncEngine, reqs: list[BenchRequest], offsets: list[float],
+                     max_concurrency: int | None = None) -> tuple[list[RequestResult], float]:
+    """Submit reqs[i] at offsets[i] s, or with max_concurrency as soon as one of that many slots frees (a closed
+    loop, as conveyor.bench.client.run_load does over HTTP); return results and the wall time."""
     t0 = time.perf_counter()
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
     async def scheduled(req: BenchRequest, offset: float) -> RequestResult:
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
-        return await stream_one(engine, req, t0)
+        async with slots:
+            return await stream_one(engine, req, t0)
 
     results = await asyncio.gather(*(scheduled(r, o) for r, o in zip(reqs, offsets, strict=True)))
     return list(results), time.perf_counter() - t0
