@@ -17,7 +17,7 @@
 namespace conveyor_int8 {
 
 using conveyor_gguf::kBlock;
-constexpr int kGroups = 2;  // gguf_prepare's groups of SIMD-width features per pass (kPassGroups)
+constexpr int kGroups = conveyor_gguf::kPassGroups;  // gguf_prepare's groups of SIMD-width features a pass
 constexpr int kQuads = kBlock / 4;
 // Rows per sweep over a thread's passes, so that their int8 activations stay in L1/L2 while each pass's quants are
 // read again: 48 against all rows at once, SmolLM2's layer linears at 256-512 rows (Zen 4): 570-593 / 537-564 GOP/s.
