@@ -10,7 +10,9 @@ target), so no point is served from an earlier point's prefix cache. Then the se
 process it started, and the next target starts. Per rate and target: attainment (requests meeting every --goodput
 SLO, over every request sent: a 429 misses, with its 95% Wilson interval; and over the admitted ones), goodput,
 refusals, TTFT/TPOT/ITL/E2E percentiles, output tok/s; capacity = the highest rate with >= 90% attainment (and every
-lower rate too).
+lower rate too). For each served point also the CPU by process over it (benchmarks/proc_cpu.py: mean cores busy per
+role, `cpu_cores`) and the share of the machine the server spent outside its engine (`outside_engine_share`:
+ingress, replica, Ray and Serve for `conveyor serve`; vLLM's API server for `vllm serve`), printed under its row.
 
 Target `inproc`: the conveyor target's engine (its settings, --conveyor-args included) driven in this process
 (AsyncEngine: no HTTP, Ray or engine process) through the same points: the gap to `conveyor` is what the serving
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shlex
 import subprocess
 import tempfile
@@ -51,6 +54,7 @@ from conveyor.bench.runner import args_record, check_args, plan_point, plot_titl
 try:
     from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port
     from benchmarks.peer_serve import model_dir, snapshot, start_conveyor, start_vllm, stop_all, wait_ready
+    from benchmarks.proc_cpu import server_cpu, server_cpu_line
 except ModuleNotFoundError as exc:  # run as a file, the repository root is not on sys.path
     raise SystemExit("run it from the repository root: .venv/bin/python -m benchmarks.goodput") from exc
 
@@ -186,9 +190,13 @@ def run_target(args: argparse.Namespace, target: str) -> TargetRun:
         run.startup_s = time.monotonic() - started
         print(f"{target} ready in {run.startup_s:.0f} s at {url}", flush=True)
         for i, rate in enumerate(args.request_rates):
+            cpu_before, point_started = snapshot({os.getpid()}), time.monotonic()
             summary, _ = run_point(url, args, rate, f"{target} @ {rate:g}", i)
+            summary |= server_cpu(cpu_before, snapshot({os.getpid()}), time.monotonic() - point_started,
+                                  os.cpu_count() or 1)
             run.rows.append(summary)
             print(goodput_row(target, summary), flush=True)
+            print(server_cpu_line(summary), flush=True)
         if args.cross_check_vllm_client:
             try:
                 run.cross_check = cross_check(args, url, args.cross_check_vllm_client)

@@ -144,3 +144,25 @@ def breakdown_table(by_role: dict[str, float], num_output_tokens: int, wall_s: f
         rows.append(f"| {role} | {cpu:.1f} | {cpu * per_k:.2f} | {100 * cpu / total:.1f}% | {cpu / wall_s:.2f} |")
     rows.append(f"| total | {total:.1f} | {total * per_k:.2f} | 100% | {total / wall_s:.2f} |")
     return "\n".join(rows)
+
+
+# The processes that compute a server's steps; the rest of its roles are its serving path (HTTP, routing, the
+# replica, Ray's and Serve's own processes): what issue 38 bounds at 5% of the machine at saturation.
+ENGINE_ROLES = frozenset({"engine child", "vllm engine core"})
+
+
+def server_cpu(before: dict[int, ProcSample], after: dict[int, ProcSample], wall_s: float,
+               num_cores: int) -> dict:
+    """Per role, the mean cores busy over wall_s; and the share of the machine's cores the server spent outside its
+    engine (neither the client's CPU nor processes no role matches count)."""
+    by_role = cpu_by_role(before, after)
+    outside = sum(cpu for role, cpu in by_role.items()
+                  if role not in ENGINE_ROLES and role not in NOT_SERVER_ROLES and role != "client")
+    return {"cpu_cores": {role: round(cpu / wall_s, 4) for role, cpu in by_role.items()},
+            "outside_engine_share": round(outside / (wall_s * num_cores), 4)}
+
+
+def server_cpu_line(record: dict, min_cores: float = 0.005) -> str:
+    """One line for a server_cpu record: the roles' cores, then the share outside the engine."""
+    roles = ", ".join(f"{role} {cores:.3f}" for role, cores in record["cpu_cores"].items() if cores >= min_cores)
+    return f"  CPU, cores: {roles}; the server outside its engine: {100 * record['outside_engine_share']:.1f}%"
