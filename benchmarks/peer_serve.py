@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
 from benchmarks.inproc_peer import run_result_process  # noqa: E402
 from benchmarks.proc_cpu import (  # noqa: E402
+    ENGINE_ROLES,
     NOT_SERVER_ROLES,
     breakdown_table,
     cpu_by_role,
@@ -41,7 +42,6 @@ from benchmarks.proc_cpu import (  # noqa: E402
 )
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-ENGINE_ROLES = {"engine child", "vllm engine core"}  # where the model runs; the rest is the path
 CLIENT_ROLES = {"client"}
 
 
