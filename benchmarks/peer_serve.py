@@ -33,16 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.compare import DEFAULT_VLLM_PYTHON, free_port, vllm_env, wait_http  # noqa: E402
 from benchmarks.inproc_peer import run_result_process  # noqa: E402
 from benchmarks.proc_cpu import (  # noqa: E402
-    ENGINE_ROLES,
     NOT_SERVER_ROLES,
     breakdown_table,
     cpu_by_role,
     descendants,
+    outside_engine_s,
+    server_roles,
     snapshot,
 )
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-CLIENT_ROLES = {"client"}
 
 
 def model_dir(model: str) -> str:
@@ -285,9 +285,7 @@ def report(rows: list[dict]) -> str:
         if r["rate"] != "inf" or "cpu_s" not in r:  # vllm_inproc: one process that exits before it could be read
             continue
         cpu = r["cpu_s"]
-        server = {k: v for k, v in cpu.items() if k not in CLIENT_ROLES | NOT_SERVER_ROLES}
-        outside = sum(v for k, v in server.items() if k not in ENGINE_ROLES)
-        share = 100 * outside / max(1e-9, sum(server.values()))
+        share = 100 * outside_engine_s(cpu) / max(1e-9, sum(server_roles(cpu).values()))
         machine = sum(v for k, v in cpu.items() if k in NOT_SERVER_ROLES)
         lines += ["", f"CPU by process, {r['target']} at rate inf (server processes outside the engine: "
                   f"{share:.1f}% of the server's CPU; not the server's, not counted: kernel threads and other "

@@ -39,6 +39,7 @@ ROLES: tuple[tuple[str, str], ...] = (
 # Not the server's: the kernel's own threads (on these VMs kdamond, the kernel's memory-access monitor, takes
 # ~0.015 cores whatever runs) and every process no role matches (this machine's tooling, shells).
 KERNEL_ROLE = "kernel threads"
+CLIENT_ROLE = "client"  # the load generator's processes (snapshot's client_pids)
 OTHER_ROLE = "other"
 NOT_SERVER_ROLES = frozenset({KERNEL_ROLE, OTHER_ROLE})
 PF_KTHREAD = 0x00200000  # /proc/PID/stat "flags": a kernel thread
@@ -92,7 +93,7 @@ def snapshot(client_pids: set[int] = frozenset()) -> dict[int, ProcSample]:
         if fields is None:
             continue
         if pid in client_pids:
-            role = "client"
+            role = CLIENT_ROLE
         elif _is_kernel_thread(fields):
             role = KERNEL_ROLE
         else:
@@ -151,13 +152,22 @@ def breakdown_table(by_role: dict[str, float], num_output_tokens: int, wall_s: f
 ENGINE_ROLES = frozenset({"engine child", "vllm engine core"})
 
 
+def server_roles(by_role: dict[str, float]) -> dict[str, float]:
+    """The server's own roles of a cpu_by_role result: neither the client nor what no role matches."""
+    return {role: cpu for role, cpu in by_role.items() if role != CLIENT_ROLE and role not in NOT_SERVER_ROLES}
+
+
+def outside_engine_s(by_role: dict[str, float]) -> float:
+    """CPU seconds of the server's roles but its engine's."""
+    return sum(cpu for role, cpu in server_roles(by_role).items() if role not in ENGINE_ROLES)
+
+
 def server_cpu(before: dict[int, ProcSample], after: dict[int, ProcSample], wall_s: float,
                num_cores: int) -> dict:
     """Per role, the mean cores busy over wall_s; and the share of the machine's cores the server spent outside its
     engine (neither the client's CPU nor processes no role matches count)."""
     by_role = cpu_by_role(before, after)
-    outside = sum(cpu for role, cpu in by_role.items()
-                  if role not in ENGINE_ROLES and role not in NOT_SERVER_ROLES and role != "client")
+    outside = outside_engine_s(by_role)
     return {"cpu_cores": {role: round(cpu / wall_s, 4) for role, cpu in by_role.items()},
             "outside_engine_share": round(outside / (wall_s * num_cores), 4)}
 
