@@ -25,6 +25,7 @@ ENGINE_NICE = "CONVEYOR_ENGINE_NICE"
 ENGINE_OPENMP = "CONVEYOR_ENGINE_OPENMP"
 GRAMMAR_NICE = "CONVEYOR_GRAMMAR_NICE"
 RAY_SCHED_BATCH = "CONVEYOR_RAY_SCHED_BATCH"
+SERVE_NO_PROXY = "CONVEYOR_SERVE_NO_PROXY"
 STEP_TRACE = "CONVEYOR_STEP_TRACE"
 
 ENV_VARS: dict[str, EnvVar] = {var.name: var for var in (
@@ -40,6 +41,8 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in (
            "conveyor/serving/grammar.py"),
     EnvVar(RAY_SCHED_BATCH, "1", "`conveyor serve`: 1 starts the local Ray under SCHED_BATCH (the engine process "
            "leaves it), 0 not", "conveyor/serving/priority.py"),
+    EnvVar(SERVE_NO_PROXY, "1", "`conveyor serve` without --http-proxy: 1 keeps Serve from starting its HTTP proxy, "
+           "which direct ingress leaves unused; 0 lets it start", "conveyor/router/worker_setup.py"),
     EnvVar(STEP_TRACE, "", "a file: append one JSON line per engine step to it (diagnosis)",
            "conveyor/serving/step_trace.py"),
 )}

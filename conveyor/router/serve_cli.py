@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor import envs
 from conveyor.router.api_key import API_KEY_ENV, read_api_key_file
+from conveyor.router.worker_setup import NO_PROXY_ENV
 
 if TYPE_CHECKING:
     from conveyor.router.app import ServeArgs
@@ -60,14 +61,17 @@ def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
             # The controller's loop at 10 Hz costs ~4.5% of a core while idle (measured); at 2 Hz ~2%. Scaling
             # decisions and deploy transitions come up to 0.4 s later, against policy delays of seconds.
-            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+            # Serve would still start an HTTP proxy that no request passes through (worker_setup.py).
+            NO_PROXY_ENV: "1"}
 
 
 def cluster_runtime_env(env: dict[str, str]) -> dict[str, object]:
-    """The runtime env of every process of the local cluster: Serve's settings, and a setup hook that makes every
-    Serve process (the HTTP proxy of --http-proxy included) ignore the client headers that would switch off its
-    request timeout or disconnect handling (serve_headers.py)."""
-    from conveyor.router.serve_headers import SETUP_HOOK
+    """The runtime env of every process of the local cluster: Serve's settings, and a setup hook (worker_setup.py)
+    that makes every Serve process (the HTTP proxy of --http-proxy included) ignore the client headers that would
+    switch off its request timeout or disconnect handling, and keeps the controller from starting an unused proxy
+    under direct ingress."""
+    from conveyor.router.worker_setup import SETUP_HOOK
 
     return {"env_vars": env, "worker_process_setup_hook": SETUP_HOOK}
 
@@ -236,8 +240,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _interrupt)
     try:
-        # With direct ingress Serve still starts its proxy on the head node: it gets a spare port, the
-        # ingress replica listens on --port (serve_env).
+        # With direct ingress the ingress replica listens on --port (serve_env) and the controller starts no
+        # proxy (worker_setup.py); the proxy's options still get a spare port, should a patch not take.
         proxy_port = args.port if args.http_proxy else _free_port(args.host)
         serve.start(http_options={"host": args.host, "port": proxy_port})
         logger.info("deploying %s (%d replica(s), %s CPU / %s GPU each)...", cfg.model, cfg.num_replicas,

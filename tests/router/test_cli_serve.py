@@ -156,6 +156,27 @@ def test_the_local_ray_runs_no_log_monitor(server) -> None:
     assert not [c for c in children if "log_monitor.py" in c]
 
 
+def _descendants(root: int) -> list[str]:
+    children: dict[int, list[tuple[int, str]]] = {}
+    for pid, parent, cmd in _processes():
+        children.setdefault(parent, []).append((pid, cmd))
+    found, todo = [], [root]
+    while todo:
+        for pid, cmd in children.get(todo.pop(), []):
+            found.append(cmd)
+            todo.append(pid)
+    return found
+
+
+def test_the_local_ray_runs_no_serve_proxy(server) -> None:
+    """Direct ingress leaves Serve's HTTP proxy without traffic, so the controller places none
+    (conveyor/router/worker_setup.py); the ingress replica answers on --port (the other tests)."""
+    _, proc, _ = server
+    workers = _descendants(proc.pid)
+    assert any("ServeController" in c for c in workers) and any("Ingress" in c for c in workers), workers
+    assert not [c for c in workers if "ProxyActor" in c]
+
+
 def test_the_local_ray_keeps_token_authentication(server) -> None:
     """`conveyor serve` no longer turns Ray's token authentication off (issue 39): the GCS it started runs in token
     mode, so a client without the token cannot run code in the cluster."""

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conveyor.router import serve_headers
+from conveyor.router import serve_headers, worker_setup
 from conveyor.router.serve_cli import cluster_runtime_env
 
 HOSTILE = {b"x-request-timeout-seconds": b"0", b"x-request-disconnect-disabled": b"?1"}
@@ -57,4 +57,12 @@ def test_conveyor_serve_gives_every_cluster_process_the_hook() -> None:
 
     runtime_env = cluster_runtime_env({"A": "b"})
     assert runtime_env["env_vars"] == {"A": "b"}
-    assert load_class(runtime_env["worker_process_setup_hook"]) is serve_headers.ignore_client_overrides_everywhere
+    assert load_class(runtime_env["worker_process_setup_hook"]) is worker_setup.setup_worker
+
+
+def test_the_setup_hook_switches_the_headers_off(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(worker_setup, "ignore_client_overrides_everywhere", lambda: calls.append(1))
+    monkeypatch.delenv(worker_setup.NO_PROXY_ENV, raising=False)
+    worker_setup.setup_worker()
+    assert calls == [1]
