@@ -16,6 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from benchmarks.proc_cpu import cmdline, descendants
 from tests.router.conftest import _free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -156,23 +157,11 @@ def test_the_local_ray_runs_no_log_monitor(server) -> None:
     assert not [c for c in children if "log_monitor.py" in c]
 
 
-def _descendants(root: int) -> list[str]:
-    children: dict[int, list[tuple[int, str]]] = {}
-    for pid, parent, cmd in _processes():
-        children.setdefault(parent, []).append((pid, cmd))
-    found, todo = [], [root]
-    while todo:
-        for pid, cmd in children.get(todo.pop(), []):
-            found.append(cmd)
-            todo.append(pid)
-    return found
-
-
 def test_the_local_ray_runs_no_serve_proxy(server) -> None:
     """Direct ingress leaves Serve's HTTP proxy without traffic, so the controller places none
     (conveyor/router/worker_setup.py); the ingress replica answers on --port (the other tests)."""
     _, proc, _ = server
-    workers = _descendants(proc.pid)
+    workers = [cmdline(pid) for pid in descendants({proc.pid})]
     assert any("ServeController" in c for c in workers) and any("Ingress" in c for c in workers), workers
     assert not [c for c in workers if "ProxyActor" in c]
 
