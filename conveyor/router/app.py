@@ -51,6 +51,10 @@ class _ServeSettings(BaseModel):
     # Its own GIL, as vLLM's EngineCore: Serve's request machinery then cannot slow the steps down.
     engine_process: bool = Field(True, description="step the engine in a child process of the replica (False: a "
                                  "thread inside the replica process)")
+    # One Ray worker fewer on every token's path (conveyor/router/local_engine.py): one fixed replica only.
+    engine_in_ingress: bool = Field(False, description="run the single engine replica's engine client inside the "
+                                    "ingress process instead of a replica of its own (num_replicas 1, no "
+                                    "autoscaling; `conveyor serve` turns it on for one fixed replica)")
     # health
     engine_stall_timeout_s: float = Field(
         120.0, gt=0, description="a replica whose engine has work but completed no step, or whose engine "
@@ -91,8 +95,14 @@ class _ServeSettings(BaseModel):
     def _check_engine(self) -> _ServeSettings:
         if self.autoscaling is not None and self.autoscaling_config is not None:
             raise ValueError("set either autoscaling (Conveyor's policy) or autoscaling_config, not both")
+        if self.engine_in_ingress and not self.fixed_single_replica():
+            raise ValueError("engine_in_ingress needs num_replicas 1 and no autoscaling: replicas of their own are "
+                             "what Serve routes between and scales")
         self.engine_config()  # the engine's own dataclass checks, at deploy time rather than in a replica
         return self
+
+    def fixed_single_replica(self) -> bool:
+        return self.num_replicas == 1 and self.autoscaling is None and self.autoscaling_config is None
 
     def engine_config(self) -> EngineConfig:
         return engine_config_from_flat({key: getattr(self, key) for key in ENGINE_KEYS})
@@ -161,10 +171,17 @@ def _importable(path: str) -> bool:
 
 def build_app(args: dict[str, Any] | _ServeSettings | None = None) -> serve.Application:
     cfg = args if isinstance(args, _ServeSettings) else ServeArgs.model_validate(args or {})
-    engine = EngineReplica.options(**cfg.replica_options()).bind(
-        cfg.engine_config(), cfg.torch_num_threads, model_name=cfg.served_model_name or cfg.model,
-        engine_process=cfg.engine_process, engine_stall_timeout_s=cfg.engine_stall_timeout_s,
-        test_hooks=cfg.test_hooks)
+    engine_args = {"engine_config": cfg.engine_config(), "torch_num_threads": cfg.torch_num_threads,
+                   "model_name": cfg.served_model_name or cfg.model, "engine_process": cfg.engine_process,
+                   "engine_stall_timeout_s": cfg.engine_stall_timeout_s, "test_hooks": cfg.test_hooks}
+    if cfg.engine_in_ingress:
+        # The ingress holds the engine: it takes the replica's resources and health checks, and drains as one.
+        ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+                                  ray_actor_options={"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus},
+                                  health_check_period_s=cfg.health_check_period_s,
+                                  graceful_shutdown_timeout_s=cfg.drain_timeout_s)
+        return ingress.bind(None, cfg.ingress_settings(), engine_here=engine_args)
+    engine = EngineReplica.options(**cfg.replica_options()).bind(**engine_args)
     # I/O only: never take an engine's CPU. A redeploy replaces the ingress too: it must outlast the engines'
     # drain, or it would cut the streams they are finishing.
     ingress = Ingress.options(max_ongoing_requests=cfg.ingress_max_ongoing_requests,

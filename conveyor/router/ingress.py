@@ -74,7 +74,17 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 @serve.deployment(name="Ingress", max_ongoing_requests=1000, num_replicas=1)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
+    def __init__(self, engine: DeploymentHandle | None, settings: IngressSettings,
+                 engine_here: dict[str, Any] | None = None) -> None:
+        # engine_here: EngineReplica's arguments, to run its engine in this process instead of behind the handle
+        # (local_engine.py: one fixed replica, one Ray worker fewer on every token's path).
+        self._local_replica = None
+        if engine_here is not None:
+            from conveyor.router.local_engine import LocalEngineHandle
+            from conveyor.router.replica import EngineReplica
+
+            self._local_replica = EngineReplica.func_or_class(**engine_here)
+            engine = LocalEngineHandle(self._local_replica)
         self.engine = engine
         if settings.api_key is None and settings.api_key_file:  # read here: the key is in no Serve config
             from conveyor.router.api_key import read_api_key_file
@@ -86,7 +96,9 @@ class Ingress:
         from conveyor.router.metrics_registry import FleetGauges, start_replica_endpoint
 
         self._app_name = serve.get_replica_context().app_name
-        self._metrics_endpoint = start_replica_endpoint("ingress", settings.model_name)
+        # With the engine here, its endpoint serves this process's registry already: a second would count twice.
+        self._metrics_endpoint = (start_replica_endpoint("ingress", settings.model_name)
+                                  if self._local_replica is None else None)
         self._fleet_gauges = FleetGauges(settings.model_name, self._app_name)
         from conveyor.router.errors import count_rejections_with
         from conveyor.serving.metrics import REQUESTS_CUT, REQUESTS_HANDED_BACK, REQUESTS_REJECTED
@@ -98,11 +110,22 @@ class Ingress:
         self._count_hand_back = REQUESTS_HANDED_BACK.labels(settings.model_name, ingress_label).inc
         from conveyor.router.demux import Demux
 
-        self._demux = Demux(engine, ingress_label) if settings.stream_mux else None
+        # In process a record costs no message: nothing to multiplex.
+        self._demux = Demux(engine, ingress_label) if settings.stream_mux and self._local_replica is None else None
         self._parser = ParsePool(timeout_s=settings.parse_timeout_s)
         from conveyor.router.serve_headers import ignore_client_overrides
 
         ignore_client_overrides()  # a client cannot switch off Serve's request timeout or disconnect handling
+
+    async def check_health(self) -> None:
+        """Serve's health check: with the engine in this process, a dead or wedged engine fails it (Serve then
+        replaces this replica, as it would an engine replica)."""
+        if self._local_replica is not None:
+            await self._local_replica.check_health()
+
+    def __del__(self) -> None:
+        if getattr(self, "_local_replica", None) is not None:
+            self._local_replica.__del__()  # stops the engine process and the metrics endpoint now, not at GC
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")

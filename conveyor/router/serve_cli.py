@@ -103,6 +103,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per engine replica")
     parser.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                         help="step the engine on a thread of the replica process instead of a child process")
+    parser.add_argument("--engine-in-ingress", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine client inside the ingress process, one Ray worker fewer on every "
+                        "token's path (default: on for one fixed replica; --no-engine-in-ingress gives the engine a "
+                        "Serve replica of its own)")
     parser.add_argument("--http-proxy", action="store_true",
                         help="put Ray Serve's HTTP proxy in front of the ingress (default: the ingress listens on "
                              "--port itself, one hop less per streamed token)")
@@ -181,6 +185,8 @@ def effective_serve_args(args: argparse.Namespace, parser: argparse.ArgumentPars
     if "num_cpus" not in settings and _single_cpu_replica(cfg):
         # Ray sets a replica's OMP_NUM_THREADS to its num_cpus: the default 1 would leave the other cores idle.
         cfg = cfg.model_copy(update={"num_cpus": float(os.cpu_count() or 1)})
+    if "engine_in_ingress" not in settings and cfg.fixed_single_replica():
+        cfg = cfg.model_copy(update={"engine_in_ingress": True})
     return cfg, "num_cpus" in settings
 
 
@@ -263,8 +269,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _single_cpu_replica(cfg: ServeArgs) -> bool:
-    fixed_one = cfg.num_replicas == 1 and cfg.autoscaling is None and cfg.autoscaling_config is None
-    return fixed_one and cfg.num_gpus == 0 and cfg.device in ("auto", "cpu")
+    return cfg.fixed_single_replica() and cfg.num_gpus == 0 and cfg.device in ("auto", "cpu")
 
 
 def _free_port(host: str) -> int:

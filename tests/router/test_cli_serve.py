@@ -166,6 +166,18 @@ def test_the_local_ray_runs_no_serve_proxy(server) -> None:
     assert not [c for c in workers if "ProxyActor" in c]
 
 
+def test_the_engine_runs_in_the_ingress(server) -> None:
+    """One fixed replica: the engine client lives in the ingress process (conveyor/router/local_engine.py), so the
+    engine child is the ingress's own and no EngineReplica worker relays the tokens (the other tests stream through
+    it)."""
+    _, proc, before = server
+    workers = {pid: cmdline(pid) for pid in descendants({proc.pid})}
+    assert not [c for c in workers.values() if "EngineReplica" in c]
+    mine = _engine_pids() - before
+    parents = {parent for pid, parent, _ in _processes() if pid in mine}
+    assert parents and all("Ingress" in workers.get(parent, "") for parent in parents), (parents, workers)
+
+
 def test_the_local_ray_keeps_token_authentication(server) -> None:
     """`conveyor serve` no longer turns Ray's token authentication off (issue 39): the GCS it started runs in token
     mode, so a client without the token cannot run code in the cluster."""
