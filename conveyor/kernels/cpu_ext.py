@@ -37,9 +37,11 @@ VEC_CAPABILITIES = ("AVX512", "AVX2")
 
 def build_dir() -> pathlib.Path:
     """CONVEYOR_CPU_BUILD_DIR, else ~/.cache/conveyor/cpu_ext/<digest>: one folder per content of the sources,
-    headers and flags (and torch version), so every checkout with the same sources shares one build and a fresh clone
-    builds nothing (~2 min on 2 cores otherwise). The sources are compiled from copies in the folder (_stage_sources):
-    torch rebuilds when the source paths differ, so two clones compiling their own files would rebuild each other's."""
+    headers and flags and per torch install (version and path), so every checkout with the same sources and venv
+    shares one build (~2 min on 2 cores otherwise). The torch path counts because build.ninja holds its include
+    folders: two venvs sharing one folder rebuilt each other's build at every switch. The sources are compiled from
+    copies in the folder (_stage_sources): torch rebuilds when the source paths differ, so two clones compiling their
+    own files would rebuild each other's."""
     default = pathlib.Path.home() / ".cache" / "conveyor" / "cpu_ext" / _digest()
     return pathlib.Path(os.environ.get("CONVEYOR_CPU_BUILD_DIR", default))
 
@@ -48,8 +50,12 @@ def _inputs() -> list[pathlib.Path]:
     return sorted({*SOURCES, *_CSRC.glob("*.h")})
 
 
+def _torch_dir() -> str:
+    return os.path.dirname(torch.__file__)
+
+
 def _digest() -> str:
-    digest = hashlib.sha1(torch.__version__.encode())
+    digest = hashlib.sha1(torch.__version__.encode() + b"\0" + _torch_dir().encode())
     for path in _inputs():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update("\0".join(_flags()).encode())

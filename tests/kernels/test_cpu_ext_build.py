@@ -57,6 +57,15 @@ def test_clones_with_the_same_sources_share_one_build_folder(tmp_path: Path, mon
     assert cpu_ext.build_dir() != shared
 
 
+def test_another_torch_install_gets_its_own_build_folder(tmp_path: Path, monkeypatch) -> None:
+    """build.ninja holds the torch include folders: a clone with its own venv must not rebuild the build of a
+    checkout with another (each such switch cost ~3 min)."""
+    _point_at(monkeypatch, _checkout(tmp_path / "a"))
+    mine = cpu_ext.build_dir()
+    monkeypatch.setattr(cpu_ext, "_torch_dir", lambda: str(tmp_path / "other-venv" / "torch"))
+    assert cpu_ext.build_dir() != mine
+
+
 def test_staged_sources_keep_their_mtime_when_unchanged(tmp_path: Path, monkeypatch) -> None:
     """torch compiles the copies in the build folder; an identical copy is left alone (a new mtime would make ninja
     rebuild for every clone), a changed one is rewritten."""
