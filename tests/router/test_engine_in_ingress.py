@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
 
 import httpx
 import pytest
 from ray import serve
 
-from benchmarks.proc_cpu import cmdline
+from benchmarks.proc_cpu import cmdline, parent_pids
 from tests.router.conftest import deploy, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,19 +30,9 @@ def base_url(serve_cluster: str, tiny_model_dir):
 
 def _engine_processes() -> dict[int, int]:
     """Engine process pid -> its parent's pid, for the engines whose parent is this app's ingress."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"conveyor.serving.engine_core_loop" not in (entry / "cmdline").read_bytes():
-                continue
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if APP in cmdline(parent) and "Ingress" in cmdline(parent):
-            found[int(entry.name)] = parent
-    return found
+    return {pid: parent for pid, parent in parent_pids().items()
+            if "conveyor.serving.engine_core_loop" in cmdline(pid) and APP in cmdline(parent)
+            and "Ingress" in cmdline(parent)}
 
 
 def _streamed_text(url: str) -> str:
