@@ -125,7 +125,7 @@ class Ingress:
 
     def __del__(self) -> None:
         if getattr(self, "_local_replica", None) is not None:
-            self._local_replica.__del__()  # stops the engine process and the metrics endpoint now, not at GC
+            self._local_replica.close()  # the engine process and its metrics endpoint stop now, not at GC
 
     # ---- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")

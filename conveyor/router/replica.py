@@ -276,7 +276,11 @@ class EngineReplica:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return {"replica_id": self._replica_id, "pid": os.getpid(), "rss_bytes": rss} | self.engine_state()
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # Serve calls it when it stops the replica
+        self.close()
+
+    def close(self) -> None:
+        """Stop the metrics endpoint and the engine (idempotent: each one's own close is)."""
         endpoint = getattr(self, "_metrics_endpoint", None)
         if endpoint is not None:
             endpoint.close()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from benchmarks.proc_cpu import cmdline, descendants
+from benchmarks.proc_cpu import cmdline, descendants, parent_pids
 from tests.router.conftest import _free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -174,7 +174,7 @@ def test_the_engine_runs_in_the_ingress(server) -> None:
     workers = {pid: cmdline(pid) for pid in descendants({proc.pid})}
     assert not [c for c in workers.values() if "EngineReplica" in c]
     mine = _engine_pids() - before
-    parents = {parent for pid, parent, _ in _processes() if pid in mine}
+    parents = {parent for pid, parent in parent_pids().items() if pid in mine}
     assert parents and all("Ingress" in workers.get(parent, "") for parent in parents), (parents, workers)
 
 
