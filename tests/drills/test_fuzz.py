@@ -102,12 +102,14 @@ def _check_model(model: type[CompletionRequest] | type[ChatCompletionRequest], d
     return True
 
 
+@pytest.mark.slow  # 400 examples, ~5 s: `make test` runs it, the inner loop does not
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=payloads(COMPLETION_FIELDS))
 def test_completion_request_validation_never_crashes(data: dict[str, Any]) -> None:
     _check_model(CompletionRequest, data)
 
 
+@pytest.mark.slow  # 400 examples, ~5 s: `make test` runs it, the inner loop does not
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=payloads(CHAT_FIELDS))
 def test_chat_request_validation_never_crashes(data: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ def validations(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_the_served_path_validates_a_grammar_once(tiny_model_dir, validations) -> None:
     body = {"model": "m", "prompt": "The quick", "max_tokens": 4, "temperature": 0.0,
             "structured_outputs": {"choice": ["yes", "no"]}}

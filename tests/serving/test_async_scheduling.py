@@ -165,6 +165,7 @@ def test_async_scheduling_needs_the_continuous_scheduler():
         SchedulerConfig(scheduling="static", async_scheduling=True)
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_the_engine_process_schedules_ahead(tiny_model_dir):
     """The served path's engine (the replica's child process) with the option on: the same stream."""
     async def collect(engine) -> list[int]:

@@ -170,6 +170,7 @@ def test_the_in_process_engine_stops_on_a_device_fault_and_steps_on_after_other_
         llm.abort_requests(list(llm.scheduler.requests))
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_a_device_fault_ends_the_engine_process_and_every_stream(tiny_model_dir) -> None:
     engine = ProcessEngine.from_config(_config(tiny_model_dir), torch_num_threads=1)
     exits: list[str | None] = []

@@ -111,6 +111,7 @@ def test_step_listeners_see_every_generated_token(engine):
     assert sum(seen) == GREEDY.max_tokens
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_refuses_past_the_queue_bound(tiny_model_dir):
     engine = ProcessEngine.from_config(_config(tiny_model_dir, max_waiting_requests=1, max_num_seqs=1), 1)
 
@@ -131,6 +132,7 @@ def test_refuses_past_the_queue_bound(tiny_model_dir):
         engine.shutdown()
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_a_dead_engine_process_fails_its_streams(tiny_model_dir):
     engine = ProcessEngine.from_config(_config(tiny_model_dir), 1)
 
@@ -166,6 +168,7 @@ def test_an_exception_on_one_message_fails_that_request_only(engine):
     assert _wait_for(lambda: not any(engine.request_state().values()))
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_no_stream_waits_on_a_dead_engine_process(tiny_model_dir):
     engine = ProcessEngine.from_config(_config(tiny_model_dir), 1)
     exits = []
@@ -184,6 +187,7 @@ def test_no_stream_waits_on_a_dead_engine_process(tiny_model_dir):
         engine.shutdown()
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_the_engine_process_exits_with_its_parent(tiny_model_dir):
     # The parent dies without any cleanup (SIGKILL, as ray.kill does to a replica): its end of the socket
     # closes with it, and the child must notice and exit rather than hold the model's memory forever.
@@ -259,3 +263,4 @@ def test_the_in_process_engine_also_fails_only_the_request_that_raised(tiny_mode
         assert engine.is_alive()
     finally:
         engine.shutdown()
+

@@ -2,6 +2,8 @@
 import asyncio
 import json
 
+import pytest
+
 from conveyor.serving import LLM, SamplingParams
 from conveyor.serving.config import CacheConfig, EngineConfig, ModelConfig
 from conveyor.serving.engine_process import ProcessEngine
@@ -26,6 +28,7 @@ def test_each_step_is_one_line_with_its_token_counts(tiny_model_dir, tmp_path, m
     assert all(s["step_time_s"] > 0 and s["cpu_s"] >= 0 and "forward_s" in s["timings"] for s in steps)
 
 
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_the_engine_child_writes_it_too(tiny_model_dir, tmp_path, monkeypatch):
     trace = tmp_path / "child.jsonl"
     monkeypatch.setenv(ENV_VAR, str(trace))
