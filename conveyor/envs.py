@@ -21,6 +21,7 @@ class EnvVar:
 
 API_KEY = "CONVEYOR_API_KEY"
 CACHE_DIR = "CONVEYOR_CACHE_DIR"
+ENGINE_BIND_THREADS = "CONVEYOR_ENGINE_BIND_THREADS"
 ENGINE_NICE = "CONVEYOR_ENGINE_NICE"
 ENGINE_OPENMP = "CONVEYOR_ENGINE_OPENMP"
 GRAMMAR_NICE = "CONVEYOR_GRAMMAR_NICE"
@@ -33,6 +34,9 @@ ENV_VARS: dict[str, EnvVar] = {var.name: var for var in (
            "than --api-key, which the process list shows)", "conveyor/router/serve_cli.py"),
     EnvVar(CACHE_DIR, "~/.cache/conveyor", "where models are downloaded and converted",
            "conveyor/serving/models/hub.py"),
+    EnvVar(ENGINE_BIND_THREADS, "auto", "auto: bind the engine child's OpenMP threads one to a CPU when its team "
+           "has a thread for every CPU the process may use; off: leave them to the kernel",
+           "conveyor/serving/openmp_runtime.py"),
     EnvVar(ENGINE_NICE, "0", "the engine process's niceness ('': keep the one Ray gave)",
            "conveyor/serving/priority.py"),
     EnvVar(ENGINE_OPENMP, "auto", "the engine child's OpenMP runtime: auto (Intel's when installed, else GNU's), "

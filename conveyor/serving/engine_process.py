@@ -81,7 +81,7 @@ class ProcessEngine(EngineReader, StreamingClient):
         ours, theirs = socket.socketpair()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "conveyor.serving.engine_core_loop", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=engine_child_env(os.environ))
+            pass_fds=[theirs.fileno()], env=engine_child_env(os.environ, torch_num_threads))
         theirs.close()  # only the child holds its end: it reads EOF when this process dies, and exits
         self._conn = Connection(ours.detach())
         self._conn.send(msg.Start(config, torch_num_threads))

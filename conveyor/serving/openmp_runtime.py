@@ -14,13 +14,18 @@ installed), `gnu` (the runtime torch was built with).
 """
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from conveyor import envs
 
 OPENMP_ENV = envs.ENGINE_OPENMP
+BIND_ENV = envs.ENGINE_BIND_THREADS
+BIND_CHOICES = ("auto", "off")
+# Set by the user, any of these decides where the threads run: then we bind nothing.
+BINDING_VARS = ("KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
 OPENMP_CHOICES = ("auto", "intel", "gnu")
 INTEL_OPENMP_LIBRARY = "libiomp5.so"
 
@@ -77,9 +82,47 @@ ENGINE_OMP_SPIN_COUNT = "10000"
 ENGINE_KMP_BLOCKTIME_MS = "1"
 
 
-def engine_child_env(parent: Mapping[str, str]) -> dict[str, str]:
+def engine_child_env(parent: Mapping[str, str], num_threads: int | None = None) -> dict[str, str]:
+    """The engine child's environment: parent's, its OpenMP runtime, spin time and thread binding. num_threads:
+    the child's torch threads (None: OMP_NUM_THREADS, as torch reads it)."""
     env = dict(parent)
     env.setdefault("GOMP_SPINCOUNT", ENGINE_OMP_SPIN_COUNT)
     env.setdefault("KMP_BLOCKTIME", ENGINE_KMP_BLOCKTIME_MS)
     env.update(child_openmp_env(parent))
+    env.update(thread_binding_env(env, num_threads, os.sched_getaffinity(0)))
     return env
+
+
+# Where the engine's team runs. Left to the kernel, a thread of a server's other processes (the ingress, Ray, the
+# client) that wakes on one core makes the kernel move an engine thread onto the other core, where its partner
+# runs: the two then take turns on one core while the first waits on the woken thread, and the whole team stalls at
+# every barrier meanwhile. Behind `conveyor serve` on 2 cores each engine thread was preempted ~700 times a second,
+# about half of them by its partner, and the engine child got 1.68-1.76 of the 2 cores; in process, without the
+# wake-ups, 60 a second. One thread bound to each CPU cannot be stacked (benchmarks/RESULTS.md, "Goodput").
+# Only a team that covers every CPU the process may use is bound: a smaller one shares the node with other
+# engines, which would all bind to the same first CPUs.
+def thread_binding_env(env: Mapping[str, str], num_threads: int | None, cpus: Collection[int]) -> dict[str, str]:
+    """KMP_AFFINITY (Intel's or LLVM's runtime preloaded in env) or GOMP_CPU_AFFINITY binding thread i of the team
+    to the i-th of cpus, when CONVEYOR_ENGINE_BIND_THREADS is auto, the team has exactly one thread per CPU of
+    cpus (at least 2), and env sets no binding of its own; else nothing."""
+    choice = envs.get(BIND_ENV, env).strip().lower() or "auto"
+    if choice not in BIND_CHOICES:
+        raise ValueError(f"{BIND_ENV}={env[BIND_ENV]!r}: expected one of {', '.join(BIND_CHOICES)}")
+    if choice == "off" or any(var in env for var in BINDING_VARS):
+        return {}
+    team = num_threads or _positive_int(env.get("OMP_NUM_THREADS", ""))
+    if team is None or team < 2 or team != len(cpus):
+        return {}
+    ordered = sorted(cpus)
+    preload = env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+    if any(Path(p).name.startswith(("libiomp", "libomp")) for p in preload):
+        return {"KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{','.join(map(str, ordered))}]"}
+    return {"GOMP_CPU_AFFINITY": " ".join(map(str, ordered))}
+
+
+def _positive_int(text: str) -> int | None:
+    try:
+        value = int(text.strip().split(",")[0])  # OMP_NUM_THREADS may list nested levels: the first is the team
+    except ValueError:
+        return None
+    return value if value > 0 else None

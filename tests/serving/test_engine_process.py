@@ -264,3 +264,31 @@ def test_the_in_process_engine_also_fails_only_the_request_that_raised(tiny_mode
     finally:
         engine.shutdown()
 
+
+def _allowed_cpus(pid: int, tid: str) -> frozenset[int]:
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        text = next(line for line in f if line.startswith("Cpus_allowed_list:")).split(":")[1].strip()
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
+@pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
+def test_a_team_with_a_thread_for_every_cpu_runs_one_thread_on_each(tiny_model_dir):
+    """The child's runtime honours the binding openmp_runtime.thread_binding_env sets: each CPU this process may
+    use has one of the team's threads bound to it alone (the main thread, then the runtime's workers)."""
+    from conveyor.serving.openmp_runtime import BIND_ENV, BINDING_VARS
+
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2 or any(var in os.environ for var in BINDING_VARS) or os.environ.get(BIND_ENV) == "off":
+        pytest.skip("one CPU, or the environment binds the threads itself")
+    engine = ProcessEngine.from_config(_config(tiny_model_dir), torch_num_threads=len(cpus))
+    try:
+        assert len(asyncio.run(_collect(engine, "The quick brown fox"))) > 0  # a step ran: the team exists
+        pid = engine._process.pid
+        masks = [_allowed_cpus(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        assert {mask for mask in masks if len(mask) == 1} == {frozenset({cpu}) for cpu in cpus}
+    finally:
+        engine.shutdown()
