@@ -73,11 +73,11 @@ def loaded_openmp_runtime() -> str:
 # How long an idle OpenMP thread of the engine spins before it sleeps. Behind a server the engine shares the cores
 # with the replica, the ingress, Ray and the client: a thread that spins at a barrier while its partner was preempted
 # burns the core the preempting process needs, and its partner waits for a core meanwhile. A short spin gives the core
-# back (and lets the partner move onto it). On GNU's runtime: 10 000 iterations instead of libgomp's 300 000. On
-# Intel's, which the child prefers (above): KMP_BLOCKTIME 1 ms instead of 200; sleeping at once (0) is
-# worse, since every barrier then waits on a futex wake. Both raise output tok/s at saturation on 2 cores, and 1 ms
-# also cuts the engine's CPU for the same work (figures: benchmarks/RESULTS.md, "Defaults and the measurements
-# behind them"). A value already set wins.
+# back (chosen before the threads were bound, below, when it also let the partner move onto it; not re-tuned since).
+# On GNU's runtime: 10 000 iterations instead of libgomp's 300 000. On Intel's, which the child prefers (above):
+# KMP_BLOCKTIME 1 ms instead of 200; sleeping at once (0) is worse, since every barrier then waits on a futex wake.
+# Both raise output tok/s at saturation on 2 cores, and 1 ms also cuts the engine's CPU for the same work (figures:
+# benchmarks/RESULTS.md, "Defaults and the measurements behind them"). A value already set wins.
 ENGINE_OMP_SPIN_COUNT = "10000"
 ENGINE_KMP_BLOCKTIME_MS = "1"
 
