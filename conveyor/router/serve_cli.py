@@ -220,13 +220,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ray import serve
 
     from conveyor.router.app import build_app
-    from conveyor.serving.openmp_runtime import child_openmp_env
+    from conveyor.serving.openmp_runtime import engine_child_env
     from conveyor.serving.priority import ray_batch_setting, run_children_as_batch
 
     cfg, _ = effective_serve_args(args, parser)  # fail on bad settings before Ray starts
     try:  # bad engine settings in the environment fail here, as the replica would read them
         check_api_key_settings(cfg)
-        child_openmp_env(os.environ)
+        engine_child_env(os.environ)
         ray_as_batch = ray_batch_setting()
     except ValueError as exc:
         parser.error(str(exc))

@@ -97,7 +97,7 @@ def engine_child_env(parent: Mapping[str, str], num_threads: int | None = None) 
 # client) that wakes on one core makes the kernel move an engine thread onto the other core, where its partner
 # runs: the two then take turns on one core while the first waits on the woken thread, and the whole team stalls at
 # every barrier meanwhile. Behind `conveyor serve` on 2 cores each engine thread was preempted ~700 times a second,
-# about half of them by its partner, and the engine child got 1.68-1.76 of the 2 cores; in process, without the
+# two thirds of them by its partner, and the engine child got 1.68-1.76 of the 2 cores; in process, without the
 # wake-ups, 60 a second. One thread bound to each CPU cannot be stacked (benchmarks/RESULTS.md, "Goodput").
 # Only a team that covers every CPU the process may use is bound: a smaller one shares the node with other
 # engines, which would all bind to the same first CPUs.

@@ -93,13 +93,17 @@ def test_the_child_env_binds_the_team_it_is_told_of(installed, monkeypatch):
     assert not {"KMP_AFFINITY", "GOMP_CPU_AFFINITY"} & set(engine_child_env({}, 1))
 
 
-def test_conveyor_serve_refuses_a_bad_choice_before_ray_starts():
+@pytest.mark.parametrize(("var", "value", "message"), [
+    (OPENMP_ENV, "llvm", "CONVEYOR_ENGINE_OPENMP='llvm': expected one of auto, intel, gnu"),
+    (BIND_ENV, "on", "CONVEYOR_ENGINE_BIND_THREADS='on': expected one of auto, off"),
+])
+def test_conveyor_serve_refuses_a_bad_choice_before_ray_starts(var, value, message):
     import os
     import subprocess
     import sys
 
-    env = os.environ | {OPENMP_ENV: "llvm"}
+    env = os.environ | {var: value}
     done = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2
-    assert "CONVEYOR_ENGINE_OPENMP='llvm': expected one of auto, intel, gnu" in done.stderr
+    assert message in done.stderr
