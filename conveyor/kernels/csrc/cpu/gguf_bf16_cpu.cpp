@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "parallel_passes.h"
 
 #if defined(CONVEYOR_GGUF_AVX512) && defined(__AVX512BF16__)
 namespace {
@@ -166,11 +167,11 @@ at::Tensor gguf_linear_bf16(const at::Tensor& x, const at::Tensor& q, const at::
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_passes, 1, [&](int64_t begin, int64_t end) {
+  conveyor_cpu::parallel_passes(num_passes, [&](int64_t p) {
     if (ggml_type == kTypeQ4_1) {
-      linear_passes<kTypeQ4_1>(qp, sp, in_features, pairs.data(), num_rows, op, out_features, begin, end);
+      linear_passes<kTypeQ4_1>(qp, sp, in_features, pairs.data(), num_rows, op, out_features, p, p + 1);
     } else {
-      linear_passes<kTypeQ8_0>(qp, sp, in_features, pairs.data(), num_rows, op, out_features, begin, end);
+      linear_passes<kTypeQ8_0>(qp, sp, in_features, pairs.data(), num_rows, op, out_features, p, p + 1);
     }
   });
   return out;

@@ -8,12 +8,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "parallel_passes.h"
 
 namespace conveyor_int8 {
 
@@ -96,15 +96,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
   });
   const Activations acts{a.data(), dx.data(), ia.data(), sa.data(), in_features, num_blocks};
   float* op = out.data_ptr<float>();
-  // Passes are handed out one at a time, not split in equal shares up front: when another process takes a
-  // thread's core mid-kernel (behind a server, its ingress or Ray), that thread holds up only the pass it is on and
-  // its partner computes the rest, instead of waiting at the barrier for the whole share.
-  std::atomic<int64_t> next_pass{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t p; (p = next_pass.fetch_add(1, std::memory_order_relaxed)) < num_passes;) {
-      passes(acts, num_rows, op, p, p + 1);
-    }
-  });
+  conveyor_cpu::parallel_passes(num_passes, [&](int64_t p) { passes(acts, num_rows, op, p, p + 1); });
   return out;
 }
 
