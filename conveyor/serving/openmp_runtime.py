@@ -52,10 +52,15 @@ def child_openmp_env(parent: Mapping[str, str]) -> dict[str, str]:
             raise ValueError(f"{OPENMP_ENV}=intel, but {INTEL_OPENMP_LIBRARY} is not under {sys.prefix}/lib: "
                              "pip install intel-openmp, or set it to auto or gnu")
         return {}
-    preload = [p for p in parent.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    preload = preloaded(parent)
     if any(Path(p).name.startswith(("libiomp", "libgomp", "libomp")) for p in preload):
         return {}  # the user chose a runtime already
     return {"LD_PRELOAD": ":".join([str(library), *preload])}
+
+
+def preloaded(env: Mapping[str, str]) -> list[str]:
+    """The libraries env's LD_PRELOAD names (the loader takes colons or spaces between them)."""
+    return [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
 def loaded_openmp_runtime() -> str:
@@ -114,8 +119,7 @@ def thread_binding_env(env: Mapping[str, str], num_threads: int | None, cpus: Co
     if team is None or team < 2 or team != len(cpus):
         return {}
     ordered = sorted(cpus)
-    preload = env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
-    if any(Path(p).name.startswith(("libiomp", "libomp")) for p in preload):
+    if any(Path(p).name.startswith(("libiomp", "libomp")) for p in preloaded(env)):
         return {"KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{','.join(map(str, ordered))}]"}
     return {"GOMP_CPU_AFFINITY": " ".join(map(str, ordered))}
 

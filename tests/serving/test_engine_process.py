@@ -265,16 +265,6 @@ def test_the_in_process_engine_also_fails_only_the_request_that_raised(tiny_mode
         engine.shutdown()
 
 
-def _allowed_cpus(pid: int, tid: str) -> frozenset[int]:
-    with open(f"/proc/{pid}/task/{tid}/status") as f:
-        text = next(line for line in f if line.startswith("Cpus_allowed_list:")).split(":")[1].strip()
-    cpus = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return frozenset(cpus)
-
-
 @pytest.mark.slow  # starts an engine process of its own (2-6 s): `make test` runs it, the inner loop does not
 def test_a_team_with_a_thread_for_every_cpu_runs_one_thread_on_each(tiny_model_dir):
     """The child's runtime honours the binding openmp_runtime.thread_binding_env sets: each CPU this process may
@@ -288,7 +278,7 @@ def test_a_team_with_a_thread_for_every_cpu_runs_one_thread_on_each(tiny_model_d
     try:
         assert len(asyncio.run(_collect(engine, "The quick brown fox"))) > 0  # a step ran: the team exists
         pid = engine._process.pid
-        masks = [_allowed_cpus(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        masks = [frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")]
         assert {mask for mask in masks if len(mask) == 1} == {frozenset({cpu}) for cpu in cpus}
     finally:
         engine.shutdown()
