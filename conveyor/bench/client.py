@@ -1,4 +1,7 @@
-"""The load generator: sends a workload to /v1/completions with streaming and times every chunk."""
+"""The load generator: sends a workload to /v1/completions with streaming and times every chunk.
+
+aiohttp, not httpx: on a 2-core machine the client shares the CPU with the server it measures, and per streamed
+chunk aiohttp costs less than half of httpx's CPU (benchmarks/RESULTS.md, "Goodput"); vLLM's benchmark client uses it too."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +9,7 @@ import json
 import time
 from urllib.parse import urlparse
 
-import httpx
+import aiohttp
 from tqdm.asyncio import tqdm
 
 from conveyor.bench.metrics import RequestResult
@@ -37,7 +40,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, t0: float,
+async def send_one(client: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, t0: float,
                    timeout_s: float) -> RequestResult:
     """One streamed completion, every token-bearing chunk timed; errors end up in the result, not raised."""
     send = time.perf_counter()
@@ -48,17 +51,17 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
     usage_tokens = None
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=body) as resp:
-                result.status = resp.status_code
-                if resp.status_code != 200:
-                    result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            async with client.post(url, json=body) as resp:
+                result.status = resp.status
+                if resp.status != 200:
+                    result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                     result.e2e = time.perf_counter() - send  # for a 429: how fast the refusal came
                     return result
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                async for raw in resp.content:
+                    if not raw.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    data = raw[5:].strip()
+                    if data == b"[DONE]":
                         break
                     msg = json.loads(data)
                     if msg.get("usage"):
@@ -73,7 +76,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
         result.ok = chunks > 0
         if not result.ok:
             result.error = "no tokens streamed"
-    except (httpx.HTTPError, TimeoutError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # JSONDecodeError is a ValueError
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         result.e2e = time.perf_counter() - send  # a failed request still ends the run's measured window
     return result
@@ -87,9 +90,9 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], offs
     wall time from the first send to the last finish. With api_key, every request carries it as a bearer token."""
     url = validate_base_url(base_url) + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max(len(requests), 1), max_keepalive_connections=32)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
-                                 headers=auth_headers(api_key)) as client:
+    connector = aiohttp.TCPConnector(limit=max(len(requests), 1), limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, headers=auth_headers(api_key),
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0)) as client:
         t0 = time.perf_counter()
         bar = tqdm(total=len(requests), desc=desc or base_url, disable=not progress, leave=False)
 
