@@ -11,7 +11,8 @@
 // is loaded from memory once for its `group` queries, and (head dims of whole vectors) into registers once per
 // chunk of up to four of those queries. Contexts are split into partitions only when there are
 // too few sequences to keep every thread busy; partitions write unnormalized partial results that a cheap
-// serial pass merges (log-sum-exp rescaling). Parallel over tasks with at::parallel_for (torch's own pool).
+// serial pass merges (log-sum-exp rescaling). Tasks go to torch's threads one at a time, longest first
+// (parallel_passes.h).
 //
 // Softmax: two-pass within a task. Scores of the task's positions go to a thread-local buffer; then max,
 // exp and sum over that buffer; then the probability-weighted V sum. All math is fp32.
@@ -42,6 +43,7 @@
 #include <vector>
 
 #include "float_rows.h"
+#include "parallel_passes.h"
 
 namespace {
 
@@ -523,21 +525,26 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tenso
   const TC* v_ptr = value_cache.data_ptr<TC>();
   const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
 
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  // Longest first, one at a time: contexts differ in length, and behind a server a thread may be preempted mid-step
+  // (parallel_passes.h), so the last tasks handed out are the shortest ones.
+  std::vector<int64_t> order(tasks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return tasks[a].end - tasks[a].begin > tasks[b].end - tasks[b].begin;
+  });
+  conveyor_cpu::parallel_passes(static_cast<int64_t>(order.size()), [&](int64_t p) {
     thread_local Scratch s;
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& task = tasks[i];
-      run_task(task, q_ptr, k_ptr, v_ptr, table_ptr, scale, soft_cap, g, s);
-      if (task.partial < 0) {
-        for (int64_t h = 0; h < g.heads; ++h) {
-          store_row(out_ptr + task.seq * hd + h * g.head_dim, s.acc.data() + h * g.head_dim, 1.f / s.sums[h],
-                    g.head_dim);
-        }
-      } else {
-        std::copy_n(s.maxes.begin(), g.heads, part_max.begin() + task.partial * g.heads);
-        std::copy_n(s.sums.begin(), g.heads, part_sum.begin() + task.partial * g.heads);
-        std::copy_n(s.acc.begin(), hd, part_acc.begin() + task.partial * hd);
+    const Task& task = tasks[order[p]];
+    run_task(task, q_ptr, k_ptr, v_ptr, table_ptr, scale, soft_cap, g, s);
+    if (task.partial < 0) {
+      for (int64_t h = 0; h < g.heads; ++h) {
+        store_row(out_ptr + task.seq * hd + h * g.head_dim, s.acc.data() + h * g.head_dim, 1.f / s.sums[h],
+                  g.head_dim);
       }
+    } else {
+      std::copy_n(s.maxes.begin(), g.heads, part_max.begin() + task.partial * g.heads);
+      std::copy_n(s.sums.begin(), g.heads, part_sum.begin() + task.partial * g.heads);
+      std::copy_n(s.acc.begin(), hd, part_acc.begin() + task.partial * hd);
     }
   });
 
