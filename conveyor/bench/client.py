@@ -1,7 +1,8 @@
 """The load generator: sends a workload to /v1/completions with streaming and times every chunk.
 
 aiohttp, not httpx: on a 2-core machine the client shares the CPU with the server it measures, and per streamed
-chunk aiohttp costs less than half of httpx's CPU (benchmarks/RESULTS.md, "Goodput"); vLLM's benchmark client uses it too."""
+chunk aiohttp costs less than half of httpx's CPU (benchmarks/RESULTS.md, "Goodput"); vLLM's benchmark client uses
+it too."""
 from __future__ import annotations
 
 import asyncio
