@@ -91,7 +91,7 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], offs
     wall time from the first send to the last finish. With api_key, every request carries it as a bearer token."""
     url = validate_base_url(base_url) + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max(len(requests), 1), limit_per_host=0)
+    connector = aiohttp.TCPConnector(limit=max(len(requests), 1))
     async with aiohttp.ClientSession(connector=connector, headers=auth_headers(api_key),
                                      timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0)) as client:
         t0 = time.perf_counter()

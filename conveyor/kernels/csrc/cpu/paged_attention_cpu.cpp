@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -528,7 +529,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tenso
   // Longest first, one at a time: contexts differ in length, and behind a server a thread may be preempted mid-step
   // (parallel_passes.h), so the last tasks handed out are the shortest ones.
   std::vector<int64_t> order(tasks.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return tasks[a].end - tasks[a].begin > tasks[b].end - tasks[b].begin;
   });
