@@ -37,6 +37,8 @@ RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 SERVE_ONLY_FLAGS = ("host", "port", "config", "command", "func", "verbose", "serve_parser", "http_proxy",
                     "engine_keys", "print_config")
 CLUSTER_POLL_S = 2.0  # how often the foreground process checks that its local Ray cluster still runs
+# After a SIGTERM, how long Ray's own processes get to show that it reached them too (see _Stopped).
+SIGTERM_GRACE_S = 1.0
 
 
 def serve_env(port: int, http_proxy: bool) -> dict[str, str]:
@@ -245,6 +247,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # and Python then leaves it ignored, so `kill -INT` did nothing.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _interrupt)
+    grace_s = 0.0
     try:
         # With direct ingress the ingress replica listens on --port (serve_env) and the controller starts no
         # proxy (worker_setup.py); the proxy's options still get a spare port, should a patch not take.
@@ -259,11 +262,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         lost = _wait_while_cluster_runs()
         logger.error("the Ray cluster lost its %s (`ray stop`, or a crash); exiting", ", ".join(lost))
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         logger.info("shutting down")
+        if isinstance(stop, _Stopped) and stop.signum == signal.SIGTERM:
+            grace_s = SIGTERM_GRACE_S
         return 0
     finally:
-        if not _lost_cluster_processes():  # serve.shutdown() would wait on a dead controller
+        if not _lost_cluster_processes(grace_s):  # serve.shutdown() would wait on a dead controller
             serve.shutdown()
         ray.shutdown()
 
@@ -299,11 +304,18 @@ def _wait_while_cluster_runs() -> list[str]:
     return lost
 
 
-def _lost_cluster_processes() -> list[str]:
-    """The process types (gcs_server, raylet, ...) of the local cluster that have died; empty while it runs, or
-    where this process joined a cluster it did not start."""
+def _lost_cluster_processes(grace_s: float = 0.0) -> list[str]:
+    """The process types (gcs_server, raylet, ...) of the local cluster that have died, waiting up to grace_s for
+    one to; empty while it runs, or where this process joined a cluster it did not start."""
     node = _local_node()  # where the internal API moved (None), only signals stop us
-    return sorted({process_type for process_type, _ in node.dead_processes()}) if node is not None else []
+    if node is None:
+        return []
+    deadline = time.monotonic() + grace_s
+    while not (lost := sorted({process_type for process_type, _ in node.dead_processes()})):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return lost
 
 
 def _local_node():  # noqa: ANN202 - ray._private.node.Node, an internal type
@@ -313,5 +325,16 @@ def _local_node():  # noqa: ANN202 - ray._private.node.Node, an internal type
     return getattr(ray_worker, "_global_node", None)
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+class _Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM, taken as Ctrl-C. A SIGTERM may have gone to the whole process group (systemd's default
+    KillMode=control-group, `timeout`), Ray's own processes included, which block only SIGINT: they die of it, and
+    serve.shutdown() through them waited 30-60 s for a controller already gone. So after a SIGTERM the shutdown first
+    gives them SIGTERM_GRACE_S to show it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
