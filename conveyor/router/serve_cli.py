@@ -337,4 +337,8 @@ class _Stopped(KeyboardInterrupt):
 
 
 def _interrupt(signum: int, _frame: object) -> None:
+    # The shutdown runs once: make passes its SIGTERM on to its child, so `make serve` got a second one mid-shutdown,
+    # which escaped the `finally` and left Ray's exception hook waiting on the GCS.
+    for other in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(other, signal.SIG_IGN)
     raise _Stopped(signum)
