@@ -311,9 +311,8 @@ def _lost_cluster_processes(grace_s: float = 0.0) -> list[str]:
     if node is None:
         return []
     deadline = time.monotonic() + grace_s
-    while not (lost := sorted({process_type for process_type, _ in node.dead_processes()})):
-        if time.monotonic() >= deadline:
-            break
+    while not (lost := sorted({process_type for process_type, _ in node.dead_processes()})) and \
+            time.monotonic() < deadline:
         time.sleep(0.05)
     return lost
 
